@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The speedrun on this machine, from nothing:
+#   ./run.sh [train_gpt.py options]   set up, make sure data exists, train on all local devices
+#   ./run.sh test [pytest options]    set up, run the test suite
+# Set-up: a virtual environment in .venv (unless one is active), requirements.txt, and the CUDA
+# build of jax when nvidia-smi lists GPUs. Data: FineWeb shards from data/cached_fineweb10B.py;
+# on a machine without GPUs where they cannot be downloaded, synthetic shards (said loudly).
+# Multi-host: run this script once per process with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
+# and JAX_PROCESS_ID set (or under SLURM / Open MPI); see README.md.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+    [ -x .venv/bin/python ] || python3 -m venv .venv
+    # shellcheck disable=SC1091
+    source .venv/bin/activate
+fi
+python -m pip install -q --disable-pip-version-check -r requirements.txt
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [ "$gpus" -gt 0 ]; then
+    jax_version=$(python -c 'import jax; print(jax.__version__)')
+    python -m pip install -q --disable-pip-version-check "jax[cuda12]==${jax_version}"
+fi
+
+if [ "${1:-}" = "test" ]; then
+    shift
+    python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+    export HF_HUB_OFFLINE=1
+    exec python -m pytest -q tests "$@"
+fi
+
+data_flags=()
+if [ "$gpus" -gt 0 ]; then
+    # 8 train shards (190 steps each) cover the record's 1393 steps
+    python data/cached_fineweb10B.py 8
+elif ! python data/cached_fineweb10B.py 1; then
+    cat <<'EOF'
+################################################################################
+#  FineWeb could not be downloaded, and this machine has no GPU:                #
+#  training on SYNTHETIC shards (data/synthetic/) instead. Losses from this run #
+#  say nothing about FineWeb; they only show that the pipeline trains.          #
+################################################################################
+EOF
+    [ -e data/synthetic/synthetic_val_000000.bin ] || python data/synthetic.py --out data/synthetic
+    data_flags=(--train-files 'data/synthetic/synthetic_train_*.bin' --val-files 'data/synthetic/synthetic_val_*.bin')
+fi
+
+exec python train_gpt.py "${data_flags[@]}" "$@"

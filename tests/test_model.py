@@ -1,0 +1,220 @@
+"""The GPT against the spec: init table, a float64 numpy re-implementation of the forward pass,
+rotary, optimizer steps, and the .npz weights interop."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import train_gpt as tg
+
+LN_V = np.log(50304)
+SMALL = dataclasses.replace(tg.PRESETS["cpu"], model_dim=256, num_heads=2, seq_len=512)
+
+
+def spec_table(D=768, L=12, V=50257):
+    """record20.md §6, written out: name -> (shape, dtype)."""
+    table = {"embed.weight": ((V, D), jnp.bfloat16), "skip_weights": ((L // 2,), jnp.float32),
+             "lm_head.weight": ((50304, D), jnp.float32)}
+    for k in range(3):
+        table[f"value_embeds.embed.{k}.weight"] = ((V, D), jnp.bfloat16)
+    for i in range(L):
+        table[f"blocks.{i}.lambdas"] = ((2,), jnp.float32)
+        if i != 7:
+            table[f"blocks.{i}.attn.qkv_w"] = ((3, D, D), jnp.float32)
+            table[f"blocks.{i}.attn.lambdas"] = ((2,), jnp.float32)
+            table[f"blocks.{i}.attn.c_proj.weight"] = ((D, D), jnp.float32)
+        table[f"blocks.{i}.mlp.c_fc.weight"] = ((4 * D, D), jnp.float32)
+        table[f"blocks.{i}.mlp.c_proj.weight"] = ((D, 4 * D), jnp.float32)
+    return table
+
+
+def test_record_parameters_match_the_spec_table():
+    shapes = jax.eval_shape(lambda: tg.init_params(tg.PRESETS["record"], 0))
+    assert {k: (v.shape, v.dtype) for k, v in shapes.items()} == spec_table()
+    n_params = sum(np.prod(v.shape) for v in shapes.values())
+    assert abs(n_params - 275.6e6) < 0.2e6  # record20.md §1: ≈ 275.6M
+
+
+def test_init_values():
+    params = tg.init_params(SMALL, int(np.random.default_rng().integers(1 << 30)))
+    D = SMALL.model_dim
+    bound = 3**0.5 * 0.5 * D**-0.5
+    for name, p in params.items():
+        p = np.asarray(p, np.float32)
+        if name.endswith(("c_proj.weight",)) or name == "lm_head.weight":
+            assert np.all(p == 0), name
+        elif name.endswith(("qkv_w", "c_fc.weight")):
+            assert np.abs(p).max() <= bound and abs(p.std() - bound / 3**0.5) < 0.02 * bound, name
+        elif name.startswith(("embed", "value_embeds")):
+            assert abs(p.mean()) < 0.01 and abs(p.std() - 1) < 0.01, name
+    assert np.all(np.asarray(params["blocks.3.lambdas"]) == [1, 0])
+    assert np.all(np.asarray(params["blocks.3.attn.lambdas"]) == [0.5, 0.5])
+    assert np.all(np.asarray(params["skip_weights"]) == 1)
+
+
+def test_initial_loss_is_log_vocab():
+    rng = np.random.default_rng()
+    params = tg.init_params(SMALL, 0)
+    tokens = jnp.asarray(rng.integers(0, 50257, 2 * SMALL.seq_len), jnp.int32)
+    for train in (True, False):
+        loss = jax.jit(tg.loss_fn, static_argnums=4)(params, tokens[::2], tokens[1::2], jnp.int32(2), train)
+        assert abs(float(loss) - LN_V) < 1e-3
+
+
+# ---- an independent float64 numpy forward pass, written from record20.md §2
+
+
+def reference_hidden(p, tokens, sw, skip_order="lifo"):
+    L, D = 12, p["embed.weight"].shape[1]
+    H, T = D // 128, len(tokens)
+    eps = np.finfo(np.float32).eps
+    rms = lambda x: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)  # noqa: E731
+    docs = np.cumsum(tokens == 50256)
+    pos = np.arange(T)
+    freqs = np.concatenate([(1 / 1024) ** (np.arange(32) / 31), np.zeros(32)])
+    theta = pos[:, None] * freqs[None]
+    cos, sin = np.cos(theta)[:, None], np.sin(theta)[:, None]
+
+    def rope(x):
+        x1, x2 = x[..., :64], x[..., 64:]
+        return np.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], -1)
+
+    def attend(q, k, v, W):
+        allowed = (pos[None] <= pos[:, None]) & (docs[None] == docs[:, None]) & (pos[:, None] // 128 - pos[None] // 128 < W)
+        s = np.einsum("qhd,khd->hqk", q, k) * 0.12
+        s = np.where(allowed[None], s, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("hqk,khd->qhd", e / e.sum(-1, keepdims=True), v)
+
+    x0 = rms(p["embed.weight"][tokens])
+    x, stack = x0, []
+    for i in range(L):
+        if i >= 6:
+            skip = stack.pop() if skip_order == "lifo" else stack.pop(0)
+            x = x + p["skip_weights"][i - 6] * skip
+        x = p[f"blocks.{i}.lambdas"][0] * x + p[f"blocks.{i}.lambdas"][1] * x0
+        if i != 7:
+            a = f"blocks.{i}.attn."
+            qkv = (rms(x) @ p[a + "qkv_w"].reshape(3 * D, D).T).reshape(T, 3 * H, 128)
+            q, k, v = qkv[:, :H], qkv[:, H:2 * H], qkv[:, 2 * H:]
+            ve = {0: 0, 1: 1, 2: 2, 9: 0, 10: 1, 11: 2}.get(i)
+            v = p[a + "lambdas"][0] * v
+            if ve is not None:
+                v = v + p[a + "lambdas"][1] * p[f"value_embeds.embed.{ve}.weight"][tokens].reshape(T, H, 128)
+            W = max(sw if i in (0, 4, 11) else sw // 2, 1)
+            y = attend(rope(rms(q)), rope(rms(k)), v, W)
+            x = x + y.reshape(T, D) @ p[a + "c_proj.weight"].T
+        h = np.maximum(rms(x) @ p[f"blocks.{i}.mlp.c_fc.weight"].T, 0)
+        x = x + (h * h) @ p[f"blocks.{i}.mlp.c_proj.weight"].T
+        if i < 6:
+            stack.append(x)
+    return rms(x)
+
+
+def randomized_params(hp, rng):
+    """Init, then give every parameter random non-trivial values so every path of the model matters."""
+    params = tg.init_params(hp, int(rng.integers(1 << 30)))
+    out = {}
+    for name, p in params.items():
+        if name.endswith("lambdas") or name == "skip_weights":
+            v = rng.uniform(0.3, 1.2, p.shape)
+        elif name.endswith("c_proj.weight"):  # large enough that every block moves the residual stream
+            v = rng.uniform(-1, 1, p.shape) * 2 * p.shape[1] ** -0.5
+        elif name.endswith(("qkv_w", "c_fc.weight")):
+            v = np.asarray(p, np.float64) * 3
+        elif name == "lm_head.weight":
+            v = rng.standard_normal(p.shape) * 0.3
+        else:
+            v = np.asarray(p, np.float64)
+        out[name] = jnp.asarray(v, p.dtype)
+    return out
+
+
+def test_forward_matches_float64_reference():
+    rng = np.random.default_rng()
+    params = randomized_params(SMALL, rng)
+    T, sw = SMALL.seq_len, int(rng.integers(2, 5))
+    tokens = rng.integers(0, 50257, T + 1)
+    tokens[rng.choice(T, 4, replace=False)] = 50256  # a few document starts
+    p64 = {k: np.asarray(v, np.float64) for k, v in params.items()}
+
+    hidden = np.asarray(jax.jit(tg.gpt_hidden)(params, jnp.asarray(tokens[:-1], jnp.int32), jnp.int32(sw)), np.float64)
+    ref = reference_hidden(p64, tokens[:-1], sw)
+    err = np.linalg.norm(hidden - ref) / np.linalg.norm(ref)
+    assert err < 0.03, err
+    # the tolerance is tight enough to see a wiring mistake: popping the skips in the wrong order
+    wrong = reference_hidden(p64, tokens[:-1], sw, skip_order="fifo")
+    assert np.linalg.norm(wrong - ref) / np.linalg.norm(ref) > 3 * err
+
+    logits = 30 / (1 + np.exp(-(ref @ p64["lm_head.weight"].T) / 7.5))
+    lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    ref_loss = np.mean(lse - logits[np.arange(T), tokens[1:]])
+    loss = jax.jit(tg.loss_fn, static_argnums=4)(params, jnp.asarray(tokens[:-1], jnp.int32),
+                                                 jnp.asarray(tokens[1:], jnp.int32), jnp.int32(sw), False)
+    assert abs(float(loss) - ref_loss) < 0.01 * abs(ref_loss - LN_V) + 1e-3, (float(loss), ref_loss)
+
+
+def test_rotary_leaves_half_the_dims_and_depends_on_relative_position():
+    rng = np.random.default_rng()
+    T = 4096
+    cos, sin = tg.rotary_cos_sin(T)
+    x = jnp.asarray(rng.standard_normal((T, 1, 128)), jnp.float32)
+    y = np.asarray(tg.apply_rotary(x, cos, sin))
+    unrotated = np.r_[32:64, 96:128]
+    np.testing.assert_array_equal(y[..., unrotated], np.asarray(x)[..., unrotated])
+    # the spec's formula in float64
+    theta = np.arange(T)[:, None] * (1 / 1024) ** (np.arange(32) / 31)
+    x1, x2 = np.asarray(x, np.float64)[:, 0, :32], np.asarray(x, np.float64)[:, 0, 64:96]
+    np.testing.assert_allclose(y[:, 0, :32], x1 * np.cos(theta) + x2 * np.sin(theta), atol=2e-3)
+    np.testing.assert_allclose(y[:, 0, 64:96], -x1 * np.sin(theta) + x2 * np.cos(theta), atol=2e-3)
+    # <R(t)q, R(t+d)k> does not depend on t
+    q = jnp.broadcast_to(jnp.asarray(rng.standard_normal(128), jnp.float32), (T, 1, 128))
+    k = jnp.broadcast_to(jnp.asarray(rng.standard_normal(128), jnp.float32), (T, 1, 128))
+    rq, rk = np.asarray(tg.apply_rotary(q, cos, sin))[:, 0], np.asarray(tg.apply_rotary(k, cos, sin))[:, 0]
+    d = 37
+    scores = np.sum(rq[: T - d] * rk[d:], -1)
+    np.testing.assert_allclose(scores, scores[0], rtol=2e-3, atol=2e-3)
+
+
+def test_a_few_optimizer_steps_lower_the_loss():
+    rng = np.random.default_rng()
+    hp = dataclasses.replace(tg.PRESETS["cpu"], seq_len=256)
+    params = tg.init_params(hp, 0)
+    opt = tg.make_optimizer(hp)
+    state = opt.init(params)
+    tokens = jnp.asarray(rng.integers(0, 2000, hp.seq_len + 1), jnp.int32)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = jax.value_and_grad(tg.loss_fn)(params, tokens[:-1], tokens[1:], jnp.int32(1), True)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for _ in range(6):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert abs(losses[0] - LN_V) < 1e-3 and losses[-1] < losses[0] - 3, losses
+    assert params["embed.weight"].dtype == jnp.bfloat16 and params["lm_head.weight"].dtype == jnp.float32
+    adam_state = state.inner_states["embed"].inner_state[0]
+    assert adam_state.mu["embed.weight"].dtype == jnp.bfloat16  # bf16 Adam moments for embeddings
+    assert adam_state.nu["embed.weight"].dtype == jnp.bfloat16
+
+
+def test_npz_round_trip_is_exact_and_mismatches_are_rejected(tmp_path):
+    rng = np.random.default_rng()
+    params = randomized_params(SMALL, rng)
+    path = str(tmp_path / "w.npz")
+    tg.save_weights(params, path)
+    with np.load(path) as f:
+        assert f["blocks.0.attn.qkv_w"].shape == (3, 256, 256) and f["blocks.0.mlp.c_fc.weight"].shape == (1024, 256)
+    loaded = tg.load_weights(path, SMALL)
+    assert loaded.keys() == params.keys()
+    for k in params:
+        assert loaded[k].dtype == params[k].dtype
+        np.testing.assert_array_equal(np.asarray(loaded[k], np.float32), np.asarray(params[k], np.float32))
+    with pytest.raises(ValueError, match="wrong shapes.*embed.weight"):
+        tg.load_weights(path, dataclasses.replace(SMALL, model_dim=128, num_heads=1))

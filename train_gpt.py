@@ -1,0 +1,913 @@
+"""The modded-nanogpt speedrun, record 20 ("sub-3-minute"), in JAX.
+
+Trains a GPT-2-small-class model (rotary, QK-norm, ReLU², value embeddings, U-net skips,
+softcapped FP8 head) with Muon + Adam on FineWeb until 3.28 validation loss.
+Read top to bottom: 1 hyperparameters, 2 model, 3 optimizer, 4 data, 5 record log, 6 training.
+Importing this file has no side effects; `python train_gpt.py --help` lists every option.
+"""
+
+import argparse
+import dataclasses
+import glob
+import itertools
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so a copied script still finds data/
+from data.shards import ShardError, open_shard, read_header  # noqa: E402  (the one shard reader, shared with data/)
+
+# -----------------------------------------------------------------------------
+# 1 Hyperparameters
+
+EOT = 50256  # <|endoftext|>: starts every document
+BLOCK = 128  # attention block size (tokens); sequences are multiples of it
+HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # sorted glob, read once in order
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760  # the same first tokens of the val shards at every validation
+    # batch
+    batch_size: int = 8 * 64 * 1024  # tokens per optimizer step, whatever the device count
+    seq_len: int = 64 * 1024  # tokens per loss (one sequence); the reference's per-GPU share
+    # model
+    vocab_size: int = 50257  # embedding rows; the head is padded to a multiple of 128 (50304)
+    num_layers: int = 12
+    num_heads: int = 6  # head dim is fixed at 128 (the rotary rule is defined for it)
+    model_dim: int = 768
+    fp8_head: bool = True  # FP8 lm_head in training (eval always uses the bf16 head)
+    remat: bool = False  # recompute blocks in the backward pass: less memory, ~1/3 more compute
+    # optimization
+    num_iterations: int = 1393
+    cooldown_frac: float = 0.4  # lr factor 1.0, then linear to final_lr_frac over this last part
+    final_lr_frac: float = 0.1
+    head_lr: float = 0.008
+    embed_lr: float = 0.6
+    scalar_lr: float = 0.04
+    muon_lr: float = 0.05
+    muon_momentum_warmup_steps: int = 300  # Muon momentum 0.85 -> 0.95 over these steps
+    window_tokens: int = 1728  # attention window warmup: 1 block -> ceil(1728/128) = 14 blocks
+    # evaluation, logging, compilation
+    val_loss_every: int = 125  # 0: only at the end
+    seed: int = 0
+    records_dir: str = "records"
+    compile_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt_jax")  # "" = off
+
+    def __post_init__(self):
+        problems = []
+        if self.seq_len % BLOCK:
+            problems.append(f"--seq-len {self.seq_len} is not a multiple of {BLOCK} (the attention block size)")
+        if self.batch_size % self.seq_len:
+            problems.append(f"--batch-size {self.batch_size} is not a multiple of --seq-len {self.seq_len}")
+        if self.model_dim != self.num_heads * HEAD_DIM:
+            problems.append(f"--model-dim {self.model_dim} must equal --num-heads x {HEAD_DIM} (head dim is fixed)")
+        if self.num_layers < 6 or self.num_layers % 2:
+            problems.append(f"--num-layers {self.num_layers}: the U-net needs an even number >= 6")
+        if self.val_tokens <= 0 or self.val_tokens % self.batch_size:
+            problems.append(f"--val-tokens {self.val_tokens} must be a positive multiple of --batch-size {self.batch_size}")
+        if problems:
+            raise ValueError("bad hyperparameters:\n  " + "\n  ".join(problems))
+
+    @property
+    def padded_vocab(self) -> int:
+        return next_multiple(self.vocab_size, 128)
+
+
+# Named presets: `record` is exactly record 20; `cpu` is the same architecture family at a size
+# that trains visibly on 2 CPU cores in minutes (12 layers, one 128-dim head, short sequences).
+PRESETS = {
+    "record": Hyperparameters(),
+    "cpu": Hyperparameters(
+        batch_size=8 * 1024, seq_len=1024, val_tokens=64 * 1024, model_dim=128, num_heads=1,
+        num_iterations=200, window_tokens=512, val_loss_every=25,
+    ),
+}
+
+
+def next_multiple(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+# -----------------------------------------------------------------------------
+# 2 Model: a pure function of a dict of arrays keyed by the PyTorch reference's state-dict names
+
+ATTN_SCALE = 0.12
+RMS_EPS = float(np.finfo(np.float32).eps)  # torch's F.rms_norm default for bf16/fp32 inputs
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+
+
+def value_embed_index(layer: int, num_layers: int):
+    """The 012...012 pattern: the first three and the last three layers get value tables 0, 1, 2."""
+    if layer < 3:
+        return layer
+    if layer >= num_layers - 3:
+        return layer - (num_layers - 3)
+    return None
+
+
+def has_attention(layer: int, num_layers: int) -> bool:
+    return layer != num_layers // 2 + 1  # block 7 of 12 has only its MLP
+
+
+def has_long_window(layer: int, num_layers: int) -> bool:
+    """Encoder blocks use [long, short, short, short] repeated, the decoder the mirror image: 0, 4, 11 of 12."""
+    half = num_layers // 2
+    return (layer if layer < half else num_layers - 1 - layer) % 4 == 0
+
+
+def init_params(hp: Hyperparameters, seed: int) -> dict:
+    """Parameters with the spec's shapes, dtypes and init: bf16 embedding tables, fp32 everything else."""
+    D, L, V = hp.model_dim, hp.num_layers, hp.vocab_size
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 2 * L))
+    bound = 3**0.5 * 0.5 * D**-0.5  # = 0.03125 at D = 768 (CastedLinear's uniform init)
+
+    def uniform(shape):
+        return jax.random.uniform(next(keys), shape, F32, -bound, bound)
+
+    params = {"embed.weight": jax.random.normal(next(keys), (V, D), F32).astype(BF16)}
+    for k in range(3):
+        params[f"value_embeds.embed.{k}.weight"] = jax.random.normal(next(keys), (V, D), F32).astype(BF16)
+    for i in range(L):
+        params[f"blocks.{i}.lambdas"] = jnp.array([1.0, 0.0], F32)
+        if has_attention(i, L):
+            params[f"blocks.{i}.attn.qkv_w"] = uniform((3, D, D))
+            params[f"blocks.{i}.attn.lambdas"] = jnp.array([0.5, 0.5], F32)
+            params[f"blocks.{i}.attn.c_proj.weight"] = jnp.zeros((D, D), F32)
+        params[f"blocks.{i}.mlp.c_fc.weight"] = uniform((4 * D, D))
+        params[f"blocks.{i}.mlp.c_proj.weight"] = jnp.zeros((D, 4 * D), F32)
+    params["skip_weights"] = jnp.ones((L // 2,), F32)
+    params["lm_head.weight"] = jnp.zeros((hp.padded_vocab, D), F32)
+    return params
+
+
+def rms_norm(x):
+    """torch's F.rms_norm without weight: fp32 math, eps = fp32 machine epsilon, back to x's dtype."""
+    x32 = x.astype(F32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + RMS_EPS)).astype(x.dtype)
+
+
+def linear(x, w_OxI):
+    """x @ Wᵀ with the fp32 master weight cast to the activation dtype (CastedLinear)."""
+    return x @ w_OxI.astype(x.dtype).T
+
+
+def scale(s, x):
+    """A scalar parameter times a bf16 activation stays bf16 (torch's promotion for 0-d tensors)."""
+    return s.astype(x.dtype) * x
+
+
+def rotary_cos_sin(T: int, head_dim: int = HEAD_DIM):
+    """Half-truncated RoPE tables (fp32): 32 frequencies (1/1024)^(j/31), then 32 zeros, absolute positions."""
+    n = head_dim // 4
+    freqs_F = jnp.concatenate([(1 / 1024) ** jnp.linspace(0, 1, n, dtype=F32), jnp.zeros(n, F32)])
+    theta_TxF = jnp.arange(T, dtype=F32)[:, None] * freqs_F[None, :]
+    return jnp.cos(theta_TxF), jnp.sin(theta_TxF)
+
+
+def apply_rotary(x_TxHxD, cos_TxF, sin_TxF):
+    x1, x2 = jnp.split(x_TxHxD.astype(F32), 2, axis=-1)
+    cos, sin = cos_TxF[:, None, :], sin_TxF[:, None, :]
+    y = jnp.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], axis=-1)
+    return y.astype(x_TxHxD.dtype)
+
+
+# Attention: allowed(q,k) = k <= q AND docs[q] == docs[k] AND floor(q/128) - floor(k/128) < W.
+# Exact block-sparse flash attention in pure JAX: query block n only meets key blocks n-d for
+# d < W, so memory is O(T·128) and compute O(T·W·128). W is a runtime value: a while loop runs W
+# block-diagonals, so one compiled program serves every window. The backward pass is written out
+# (custom_vjp, recomputing probabilities from the saved log-sum-exp) because autodiff of the loop
+# would store every diagonal's scores.
+
+
+def _blocks(x_TxHxD):
+    T, H, D = x_TxHxD.shape
+    return x_TxHxD.reshape(T // BLOCK, BLOCK, H, D).transpose(0, 2, 1, 3)  # N x H x B x D
+
+
+def _unblocks(x_NxHxBxD):
+    N, H, B, D = x_NxHxBxD.shape
+    return x_NxHxBxD.transpose(0, 2, 1, 3).reshape(N * B, H, D)
+
+
+def _diagonal(d, q_NxHxBxD, k_NxHxBxD, docs_NxB):
+    """Scores and mask of each query block n against key block n - d (d-th block diagonal)."""
+    N = q_NxHxBxD.shape[0]
+    kd = jnp.roll(k_NxHxBxD, d, axis=0)  # kd[n] = k[n - d]; wrapped rows are masked below
+    s_NxHxBxB = jnp.einsum("nhqd,nhkd->nhqk", q_NxHxBxD, kd, preferred_element_type=F32) * ATTN_SCALE
+    i = jnp.arange(BLOCK)
+    causal_BxB = (d > 0) | (i[None, :] <= i[:, None])
+    same_doc_NxBxB = docs_NxB[:, :, None] == jnp.roll(docs_NxB, d, axis=0)[:, None, :]
+    exists_N = jnp.arange(N) >= d
+    mask_NxBxB = causal_BxB[None] & same_doc_NxBxB & exists_N[:, None, None]
+    return s_NxHxBxB, mask_NxBxB[:, None]
+
+
+def _attention_forward(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window):
+    q, k, v = _blocks(q_TxHxD), _blocks(k_TxHxD), _blocks(v_TxHxD)
+    N, H, B, D = q.shape
+    docs_NxB = docs_T.reshape(N, B)
+
+    def diagonal(d, carry):
+        m, l, acc = carry
+        s, mask = _diagonal(d, q, k, docs_NxB)
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))  # finite from d = 0 on: every query sees itself
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        vd = jnp.roll(v, d, axis=0)
+        pv = jnp.einsum("nhqk,nhkd->nhqd", p.astype(v.dtype), vd, preferred_element_type=F32)
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    init = (jnp.full((N, H, B), -jnp.inf, F32), jnp.zeros((N, H, B), F32), jnp.zeros((N, H, B, D), F32))
+    m, l, acc = jax.lax.fori_loop(0, jnp.clip(window, 1, N), diagonal, init)
+    out = _unblocks(acc / l[..., None]).astype(q_TxHxD.dtype)
+    return out, m + jnp.log(l)
+
+
+@jax.custom_vjp
+def block_sparse_attention(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window):
+    """softmax(0.12·q·kᵀ)·v over the allowed (q, k) pairs; q, k, v bf16, fp32 softmax; window in blocks."""
+    return _attention_forward(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window)[0]
+
+
+def _attention_fwd(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window):
+    out, lse = _attention_forward(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window)
+    return out, (q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window, out, lse)
+
+
+def _attention_bwd(res, dout_TxHxD):
+    q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window, out_TxHxD, lse = res
+    q, k, v, dout = _blocks(q_TxHxD), _blocks(k_TxHxD), _blocks(v_TxHxD), _blocks(dout_TxHxD)
+    N, H, B, D = q.shape
+    docs_NxB = docs_T.reshape(N, B)
+    delta = jnp.sum(dout.astype(F32) * _blocks(out_TxHxD).astype(F32), axis=-1)  # N x H x B
+
+    def diagonal(d, carry):
+        dq, dk, dv = carry
+        s, mask = _diagonal(d, q, k, docs_NxB)
+        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+        vd, kd = jnp.roll(v, d, axis=0), jnp.roll(k, d, axis=0)
+        dp = jnp.einsum("nhqd,nhkd->nhqk", dout, vd, preferred_element_type=F32)
+        ds = (p * (dp - delta[..., None]) * ATTN_SCALE).astype(q.dtype)
+        dq = dq + jnp.einsum("nhqk,nhkd->nhqd", ds, kd, preferred_element_type=F32)
+        dk_d = jnp.einsum("nhqk,nhqd->nhkd", ds, q, preferred_element_type=F32)
+        dv_d = jnp.einsum("nhqk,nhqd->nhkd", p.astype(q.dtype), dout, preferred_element_type=F32)
+        # row n of dk_d belongs to key block n - d: roll it back (rows n < d are zero)
+        return dq, dk + jnp.roll(dk_d, -d, axis=0), dv + jnp.roll(dv_d, -d, axis=0)
+
+    zeros = jnp.zeros((N, H, B, D), F32)
+    dq, dk, dv = jax.lax.fori_loop(0, jnp.clip(window, 1, N), diagonal, (zeros, zeros, zeros))
+    grads = [_unblocks(g).astype(q_TxHxD.dtype) for g in (dq, dk, dv)]
+    return (*grads, None, None)
+
+
+block_sparse_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(params, i, x_TxD, ve_TxD, docs_T, window, cos, sin):
+    T, D = x_TxD.shape
+    H = D // HEAD_DIM
+    qkv_w = params[f"blocks.{i}.attn.qkv_w"]  # (3, D, D): [W_q; W_k; W_v], each (out, in)
+    qkv_Tx3HxK = linear(x_TxD, qkv_w.reshape(3 * D, D)).reshape(T, 3 * H, HEAD_DIM)
+    q, k, v = jnp.split(qkv_Tx3HxK, 3, axis=1)
+    lambdas = params[f"blocks.{i}.attn.lambdas"]
+    v = scale(lambdas[0], v)
+    if ve_TxD is not None:
+        v = v + scale(lambdas[1], ve_TxD.reshape(T, H, HEAD_DIM))
+    q, k = apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin)
+    y_TxHxK = block_sparse_attention(q, k, v, docs_T, window)
+    return linear(y_TxHxK.reshape(T, D), params[f"blocks.{i}.attn.c_proj.weight"])
+
+
+def mlp(params, i, x_TxD):
+    h = jax.nn.relu(linear(x_TxD, params[f"blocks.{i}.mlp.c_fc.weight"]))
+    return linear(h * h, params[f"blocks.{i}.mlp.c_proj.weight"])
+
+
+def num_layers_of(params) -> int:
+    return sum(name.endswith(".lambdas") and ".attn." not in name for name in params)
+
+
+def block(params, i, x, x0, ve, docs_T, window, cos, sin):
+    """One transformer block: x0 mixing, attention (all blocks but one), ReLU² MLP."""
+    lambdas = params[f"blocks.{i}.lambdas"]
+    x = scale(lambdas[0], x) + scale(lambdas[1], x0)
+    if has_attention(i, num_layers_of(params)):
+        x = x + attention(params, i, rms_norm(x), ve, docs_T, window, cos, sin)
+    return x + mlp(params, i, rms_norm(x))
+
+
+def gpt_hidden(params, inputs_T, window_blocks, remat: bool = False):
+    """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) bf16.
+    remat recomputes each block in the backward pass instead of storing its activations."""
+    L = num_layers_of(params)
+    T = inputs_T.shape[0]
+    docs_T = jnp.cumsum(inputs_T == EOT, dtype=jnp.int32)  # a 50256 token opens its document
+    long_window = jnp.maximum(window_blocks, 1)
+    short_window = jnp.maximum(window_blocks // 2, 1)
+    cos, sin = rotary_cos_sin(T)
+    x0 = rms_norm(params["embed.weight"][inputs_T])
+    ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T] for k in range(3)]
+    run_block = jax.checkpoint(block, static_argnums=(1,)) if remat else block
+    x, skips = x0, []
+    for i in range(L):
+        if i >= L // 2:  # decoder: add the mirrored encoder block's output (U-net)
+            x = x + scale(params["skip_weights"][i - L // 2], skips.pop())
+        ve_index = value_embed_index(i, L)
+        ve = None if ve_index is None else ves[ve_index]
+        window = long_window if has_long_window(i, L) else short_window
+        x = run_block(params, i, x, x0, ve, docs_T, window, cos, sin)
+        if i < L // 2:
+            skips.append(x)
+    return rms_norm(x)
+
+
+# FP8 lm_head (training only). Operands scaled into the e4m3 range (x·2, W·32); the backward
+# scales the logit gradient by 2^29 into e5m2. That scale assumes 65,536 tokens per loss (each
+# logit gradient is at most 1/T); for other T it is scaled by T/65,536 so e5m2 neither overflows
+# nor underflows (fp8_grad_scale).
+X_SCALE, W_SCALE = 2.0, 32.0
+
+
+def fp8_grad_scale(tokens_per_loss: int) -> float:
+    return 2.0**29 * tokens_per_loss / 65536
+
+
+def _fast_accum():
+    # Hopper's reduced-precision fp8 accumulation (use_fast_accum=True); CPU emulation has no such mode.
+    return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if jax.default_backend() == "gpu" else None
+
+
+def _fp8_dot(a, b, contract, precision=None):
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=F32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_head(x_TxD, w_VxD, grad_scale):
+    """z = x·Wᵀ through e4m3 operands, bf16 result."""
+    return _fp8_head_fwd(x_TxD, w_VxD, grad_scale)[0]
+
+
+def _fp8_head_fwd(x_TxD, w_VxD, grad_scale):
+    x8 = (x_TxD * X_SCALE).astype(jnp.float8_e4m3fn)
+    w8 = (w_VxD * W_SCALE).astype(jnp.float8_e4m3fn)
+    z = _fp8_dot(x8, w8, ((1,), (1,)), _fast_accum()) * (1 / (X_SCALE * W_SCALE))
+    return z.astype(BF16), (x8, w8)
+
+
+def _fp8_head_bwd(grad_scale, res, g_TxV):
+    x8, w8 = res
+    g8 = (g_TxV * grad_scale).astype(jnp.float8_e5m2)
+    dx = _fp8_dot(g8, w8, ((1,), (0,))) * (1 / (grad_scale * W_SCALE))
+    dw = _fp8_dot(g8, x8, ((0,), (0,))) * (1 / (grad_scale * X_SCALE))
+    return dx.astype(BF16), dw  # dW stays fp32, like the master weight
+
+
+fp8_head.defvjp(_fp8_head_fwd, _fp8_head_bwd)
+
+LOSS_CHUNK_TOKENS = 8192  # head + loss run over chunks so 64K x 50304 fp32 logits never coexist
+
+
+def head_loss(h_TxD, w_VxD, targets_T, use_fp8: bool):
+    """Mean cross-entropy of logits 30·sigmoid(z/7.5) (fp32) over all padded-vocab columns."""
+    T, D = h_TxD.shape
+    chunk = math.gcd(T, LOSS_CHUNK_TOKENS)
+    grad_scale = fp8_grad_scale(T)
+
+    @jax.checkpoint  # the backward recomputes one chunk's logits at a time
+    def chunk_loss(args):
+        h_CxD, t_C = args
+        z = fp8_head(h_CxD, w_VxD, grad_scale) if use_fp8 else linear(h_CxD, w_VxD)
+        logits = 30 * jax.nn.sigmoid(z.astype(F32) / 7.5)
+        picked = jnp.take_along_axis(logits, t_C[:, None], axis=-1)[:, 0]
+        return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+    sums = jax.lax.map(chunk_loss, (h_TxD.reshape(-1, chunk, D), targets_T.reshape(-1, chunk)))
+    return jnp.sum(sums) / T
+
+
+def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True, remat: bool = False):
+    """Mean next-token loss of one sequence (int32 (T,), T a multiple of 128). The FP8 head is a
+    training-only path; evaluation (train=False) always uses the plain bf16 head."""
+    h_TxD = gpt_hidden(params, inputs, window_blocks, remat)
+    return head_loss(h_TxD, params["lm_head.weight"], targets, use_fp8=train and fp8)
+
+
+# -----------------------------------------------------------------------------
+# 3 Optimizer: Adam (optax) for the head, embeddings and scalars; hand-written Muon for the
+# matrices inside the blocks. One lr factor for every group; Muon momentum warms up.
+
+
+def lr_factor(step, hp: Hyperparameters):
+    """1.0, then linear down to final_lr_frac over the last cooldown_frac of training."""
+    w = jnp.minimum((1 - step / hp.num_iterations) / hp.cooldown_frac, 1.0)
+    return w + (1 - w) * hp.final_lr_frac
+
+
+def muon_momentum(step, hp: Hyperparameters):
+    return 0.85 + 0.10 * jnp.minimum(step / hp.muon_momentum_warmup_steps, 1.0)
+
+
+def window_blocks(step: int, hp: Hyperparameters) -> int:
+    """Long attention window in 128-token blocks at a step: max(1, ceil(1728·s/N/128)); short = long // 2."""
+    return max(1, -(-hp.window_tokens * step // (hp.num_iterations * BLOCK)))
+
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G_BxMxN, steps: int = 5):
+    """Quintic Newton–Schulz in bf16, batched: pushes each matrix's singular values into ~[0.5, 1.5]."""
+    a, b, c = NS_COEFFS
+    X = G_BxMxN.astype(BF16)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.swapaxes(-2, -1)
+    norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(F32)), axis=(-2, -1), keepdims=True))
+    X = X / (norm + 1e-7).astype(BF16)
+    for _ in range(steps):
+        A = X @ X.swapaxes(-2, -1)
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.swapaxes(-2, -1) if tall else X
+
+
+def orthogonalize(updates: list, mesh=None) -> list:
+    """NS5 on every matrix of every update (qkv_w's Q, K, V separately), batched by shape.
+
+    Matrices are made wide (tall ones transposed), stacked by shape and, on a multi-device mesh,
+    sharded along the stack so each device orthogonalises its share; the result is replicated.
+    """
+    n_dev = 1 if mesh is None else mesh.size
+    groups = {}  # wide shape -> list of (update index, matrix index, transposed, matrix)
+    for u_index, u in enumerate(updates):
+        for m_index, m in enumerate(u.reshape(-1, *u.shape[-2:])):
+            tall = m.shape[0] > m.shape[1]
+            mat = m.T if tall else m
+            groups.setdefault(mat.shape, []).append((u_index, m_index, tall, mat))
+    out = [[None] * (u.size // (u.shape[-2] * u.shape[-1])) for u in updates]
+    for items in groups.values():
+        stack = jnp.stack([mat for *_, mat in items])
+        pad = (-len(items)) % n_dev
+        if n_dev > 1:
+            stack = jnp.concatenate([stack, jnp.zeros((pad, *stack.shape[1:]), stack.dtype)])
+            stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(mesh.axis_names[0])))
+        ortho = newton_schulz(stack)
+        if n_dev > 1:
+            ortho = jax.lax.with_sharding_constraint(ortho, NamedSharding(mesh, P()))
+        for (u_index, m_index, tall, _), o in zip(items, ortho):
+            out[u_index][m_index] = o.T if tall else o
+    return [jnp.stack(mats).reshape(u.shape) for mats, u in zip(out, updates)]
+
+
+def muon(learning_rate, momentum, mesh=None) -> optax.GradientTransformation:
+    """Muon: fp32 momentum, Nesterov, NS5-orthogonalised update scaled by sqrt(max(1, rows/cols)).
+
+    learning_rate(step) and momentum(step) are schedules of the 0-based step count.
+    """
+
+    def init(params):
+        return {"count": jnp.zeros((), jnp.int32), "momentum": jax.tree.map(lambda p: jnp.zeros_like(p, F32), params)}
+
+    def update(grads, state, params=None):
+        step = state["count"]
+        m = momentum(step)
+        buf = jax.tree.map(lambda b, g: m * b + (1 - m) * g.astype(F32), state["momentum"], grads)
+        nesterov = jax.tree.map(lambda b, g: (1 - m) * g.astype(F32) + m * b, buf, grads)
+        leaves, treedef = jax.tree.flatten(nesterov)
+        lr = learning_rate(step)
+        updates = [
+            -lr * max(1.0, u.shape[-2] / u.shape[-1]) ** 0.5 * o.astype(F32)
+            for u, o in zip(leaves, orthogonalize(leaves, mesh))
+        ]
+        return jax.tree.unflatten(treedef, updates), {"count": step + 1, "momentum": buf}
+
+    return optax.GradientTransformation(init, update)
+
+
+def fp32_math(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run `inner` in fp32 and store its state back in the state's own dtype (bf16 for bf16
+    embeddings), as torch's fused Adam does for bf16 parameters."""
+
+    def up(tree):
+        return jax.tree.map(lambda x: x.astype(F32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def update(grads, state, params=None):
+        updates, new_state = inner.update(up(grads), up(state), up(params))
+        return updates, jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def param_group(name: str, p) -> str:
+    if name == "lm_head.weight":
+        return "head"
+    if name.startswith(("embed.", "value_embeds.")):
+        return "embed"
+    return "scalar" if p.ndim < 2 else "muon"
+
+
+def make_optimizer(hp: Hyperparameters, mesh=None) -> optax.GradientTransformation:
+    def adam(base_lr):
+        return optax.adam(lambda s: base_lr * lr_factor(s, hp), b1=0.8, b2=0.95, eps=1e-10)
+
+    groups = {
+        "head": adam(hp.head_lr),
+        "embed": fp32_math(adam(hp.embed_lr)),
+        "scalar": adam(hp.scalar_lr),
+        "muon": muon(lambda s: hp.muon_lr * lr_factor(s, hp), lambda s: muon_momentum(s, hp), mesh),
+    }
+    return optax.multi_transform(groups, lambda params: {k: param_group(k, p) for k, p in params.items()})
+
+
+# -----------------------------------------------------------------------------
+# Weights interop: .npz keyed by the PyTorch reference's state-dict names and shapes (Linear
+# weights (out, in)). bf16 tables are stored as fp32 (exact) so any numpy or torch can read them.
+
+
+def save_weights(params: dict, path: str) -> None:
+    arrays = {k: np.asarray(jax.device_get(v).astype(np.float32)) for k, v in params.items()}
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def load_weights(path: str, hp: Hyperparameters) -> dict:
+    expected = jax.eval_shape(lambda: init_params(hp, 0))
+    with np.load(path) as f:
+        arrays = dict(f)
+    missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+    wrong = [f"{k}: file {arrays[k].shape}, model {expected[k].shape}" for k in expected
+             if k in arrays and arrays[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{path} does not match the model of these hyperparameters: missing {missing}, "
+                         f"unexpected {unexpected}, wrong shapes {wrong}")
+    return {k: jnp.asarray(arrays[k], dtype=expected[k].dtype) for k in expected}
+
+
+# -----------------------------------------------------------------------------
+# 4 Data: the reference's loader. Each step takes a window of batch_size + 1 tokens from the
+# current shard and splits it into R = batch_size / seq_len "virtual ranks": row r is
+# tokens[pos + r·seq_len : pos + (r+1)·seq_len + 1] (inputs = first seq_len, targets = last
+# seq_len). Then pos += batch_size; when pos + batch_size + 1 >= len(shard) the next shard starts
+# at 0. The token order is therefore the 8-GPU reference's on any number of devices.
+
+
+class DataError(ValueError):
+    pass
+
+
+def shard_files(pattern: str, flag: str) -> list:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise DataError(
+            f"no shards match {flag} {pattern!r}. Download FineWeb with `python data/cached_fineweb10B.py 8`, "
+            f"or write offline shards with `python data/synthetic.py --out data/synthetic` and pass "
+            f"--train-files 'data/synthetic/synthetic_train_*.bin' --val-files 'data/synthetic/synthetic_val_*.bin'"
+        )
+    return files
+
+
+def steps_available(files: list, batch_size: int) -> int:
+    """How many step windows the shards hold, from their headers alone."""
+    return sum(max(0, -(-(read_header(f) - batch_size - 1) // batch_size)) for f in files)
+
+
+def token_windows(files: list, batch_size: int, seq_len: int, rows: range):
+    """Yields (inputs, targets), each int32 (len(rows), seq_len): this process's virtual ranks of each step."""
+    for path in files:
+        tokens, pos = open_shard(path), 0
+        while pos + batch_size + 1 < len(tokens):
+            window = np.asarray(tokens[pos + rows.start * seq_len : pos + rows.stop * seq_len + 1], np.int32)
+            inputs = np.lib.stride_tricks.sliding_window_view(window[:-1], seq_len)[::seq_len]
+            targets = np.lib.stride_tricks.sliding_window_view(window[1:], seq_len)[::seq_len]
+            yield np.ascontiguousarray(inputs), np.ascontiguousarray(targets)
+            pos += batch_size
+
+
+def prefetch(iterator, put, depth: int = 2):
+    """Run `put(next(iterator))` on a background thread so the host prepares the next batch while
+    the devices compute; exceptions are re-raised in the consumer."""
+    import queue
+
+    q = queue.Queue(maxsize=depth)
+
+    def worker():
+        try:
+            for item in iterator:
+                q.put(put(item))
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer)
+            q.put(e)
+        q.put(StopIteration())
+
+    threading.Thread(target=worker, daemon=True).start()
+    while True:
+        item = q.get()
+        if isinstance(item, StopIteration):
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+# -----------------------------------------------------------------------------
+# 5 Record log: records/<UTC time>_<id>.txt, line-buffered, written by process 0 only.
+# Layout: the full source of this file; a line of 100 '='; the environment; '='; the resolved
+# hyperparameters as JSON; '='; then compile, step and summary lines. A complete run ends with
+# `run complete`; an interrupted one with `interrupted at step N`; a failed one with `stopped: ...`.
+
+RULE = "=" * 100
+
+
+class RecordLog:
+    def __init__(self, path: str, quiet: bool = False):
+        self.path = path
+        self.quiet = quiet
+        self.file = open(path, "x", buffering=1)  # "x": never overwrite an earlier log
+
+    def write(self, text: str = "") -> None:
+        if not self.quiet:
+            print(text, flush=True)
+        self.file.write(text + "\n")
+
+    def close(self):
+        self.file.close()
+
+
+def new_log_path(records_dir: str) -> str:
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
+    return os.path.join(records_dir, f"{stamp}_{uuid.uuid4().hex[:8]}.txt")
+
+
+def environment_lines() -> list:
+    import jaxlib
+
+    devices = jax.devices()
+    lines = [
+        f"Running Python {sys.version}",
+        f"Running jax {jax.__version__} jaxlib {jaxlib.__version__} optax {optax.__version__} numpy {np.__version__}"
+        f" on {platform.platform()}",
+        f"Devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}) in {jax.process_count()} process(es)",
+    ]
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
+    except (OSError, subprocess.SubprocessError):
+        smi = "nvidia-smi: not available"
+    return lines + [smi]
+
+
+def log_header(log: RecordLog, hp: Hyperparameters, preset: str) -> None:
+    with open(os.path.abspath(__file__)) as f:
+        log.file.write(f.read())
+    for line in [RULE, *environment_lines(), RULE, f"Hyperparameters (preset {preset}):",
+                 json.dumps(dataclasses.asdict(hp), indent=1), RULE]:
+        log.file.write(line + "\n")
+
+
+# -----------------------------------------------------------------------------
+# 6 Training: one jitted step over a 1-D data mesh of every device. Parameters and optimizer
+# state are replicated and donated; each device runs its share of the step's sequences one at a
+# time (gradient accumulation), averages them, and the devices average with each other, so the
+# update equals the 8-GPU reference's on any device count.
+
+
+def make_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def sequences_per_device(hp: Hyperparameters, mesh) -> int:
+    rows = hp.batch_size // hp.seq_len
+    if rows % mesh.size:
+        raise ValueError(
+            f"--batch-size {hp.batch_size} / --seq-len {hp.seq_len} = {rows} sequences per step cannot be split "
+            f"evenly over {mesh.size} devices: choose a --seq-len that makes it a multiple of {mesh.size}"
+        )
+    return rows // mesh.size
+
+
+def make_steps(hp: Hyperparameters, mesh, optimizer):
+    """The jitted train step and validation step (not yet compiled)."""
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+
+    def device_grads(params, inputs_RxT, targets_RxT, window):
+        def micro_step(acc, xy):
+            loss, grads = jax.value_and_grad(loss_fn)(params, xy[0], xy[1], window, True, hp.fp8_head, hp.remat)
+            return jax.tree.map(lambda a, g: a + g.astype(F32), acc, (loss, grads)), None
+
+        zeros = (jnp.zeros((), F32), jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
+        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs_RxT, targets_RxT))
+        loss, grads = jax.lax.pmean(jax.tree.map(lambda x: x / inputs_RxT.shape[0], (loss, grads)), "dp")
+        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+    def device_val_loss(params, inputs_RxT, targets_RxT, window):
+        losses = jax.lax.map(lambda xy: loss_fn(params, xy[0], xy[1], window, False), (inputs_RxT, targets_RxT))
+        return jax.lax.pmean(jnp.mean(losses), "dp")
+
+    specs = dict(mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()), check_vma=False)
+
+    def train_step(params, opt_state, inputs, targets, window):
+        loss, grads = jax.shard_map(device_grads, out_specs=(P(), P()), **specs)(params, inputs, targets, window)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train = jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, rows, rows, replicated),
+                    out_shardings=(replicated, replicated, replicated))
+    val = jax.jit(jax.shard_map(device_val_loss, out_specs=P(), **specs),
+                  in_shardings=(replicated, rows, rows, replicated), out_shardings=replicated)
+    return train, val
+
+
+def enable_compile_cache(cache_dir: str) -> None:
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "all")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
+    """Run the whole speedrun; returns the summary. Raises DataError/ValueError/OSError on bad input
+    before anything is written."""
+    N = hp.num_iterations
+    per_device = sequences_per_device(hp, mesh)
+    rows_per_process = per_device * len(mesh.local_devices)
+    my_rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
+    train_files = shard_files(hp.train_files, "--train-files")
+    val_files = shard_files(hp.val_files, "--val-files")
+    if steps_available(train_files, hp.batch_size) < N:
+        raise DataError(
+            f"the shards matching --train-files {hp.train_files!r} hold {steps_available(train_files, hp.batch_size)} "
+            f"steps of {hp.batch_size} tokens but --num-iterations is {N}: add shards (FineWeb: "
+            f"`python data/cached_fineweb10B.py {math.ceil(N / 190)}`) or lower --num-iterations"
+        )
+    val_steps = hp.val_tokens // hp.batch_size
+    val_batches = list(itertools.islice(token_windows(val_files, hp.batch_size, hp.seq_len, my_rows), val_steps))
+    if len(val_batches) < val_steps:
+        raise DataError(f"the shards matching --val-files {hp.val_files!r} hold fewer than --val-tokens "
+                        f"{hp.val_tokens} tokens (+1): lower --val-tokens or add val shards")
+    try:
+        os.makedirs(hp.records_dir, exist_ok=True)
+        problem = None if os.access(hp.records_dir, os.W_OK) else "not writable"
+    except OSError as e:
+        problem = e.strerror
+    if problem:
+        raise OSError(f"cannot write record logs to --records-dir {hp.records_dir!r} ({problem}): "
+                      f"choose a writable folder")
+
+    is_main = jax.process_index() == 0
+    log = RecordLog(new_log_path(hp.records_dir), quiet=quiet or not is_main) if is_main else None
+
+    def say(text):
+        if log:
+            log.write(text)
+
+    if log:
+        log_header(log, hp, preset)
+    say(f"preset {preset}: {N} steps x {hp.batch_size} tokens, {mesh.size} device(s), {per_device} sequence(s) "
+        f"of {hp.seq_len} per device per step; log {log.path if log else ''}")
+    rows = NamedSharding(mesh, P("dp"))
+
+    def put(batch):
+        return tuple(jax.make_array_from_process_local_data(rows, x) for x in batch)
+
+    optimizer = make_optimizer(hp, mesh)
+    replicated = NamedSharding(mesh, P())
+    params = jax.jit(init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
+    opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
+    train_step, val_step = make_steps(hp, mesh, optimizer)
+    batch_spec = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=rows)
+    window_spec = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    t0 = time.perf_counter()
+    train_step = train_step.lower(params, opt_state, batch_spec, batch_spec, window_spec).compile()
+    val_step = val_step.lower(params, batch_spec, batch_spec, window_spec).compile()
+    compile_s = time.perf_counter() - t0
+    say(f"compile: {compile_s:.1f}s for the train and validation steps (persistent cache: "
+        f"{hp.compile_cache_dir or 'off'})")
+    val_batches = [put(b) for b in val_batches]
+    batches = prefetch(token_windows(train_files, hp.batch_size, hp.seq_len, my_rows), put)
+
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    train_ms, step, val_loss = 0.0, 0, float("nan")
+    try:
+        for step in range(N + 1):
+            window = np.int32(window_blocks(step, hp))
+            if step == N or (hp.val_loss_every and step % hp.val_loss_every == 0):
+                val_loss = float(np.mean([val_step(params, x, y, window) for x, y in val_batches]))
+                say(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+                    f"step_avg:{train_ms / step if step else float('nan'):.2f}ms")
+                if not math.isfinite(val_loss):
+                    raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}")
+            if step == N:
+                break
+            inputs, targets = next(batches)
+            t = time.perf_counter()
+            params, opt_state, loss = train_step(params, opt_state, inputs, targets, window)
+            loss = float(loss)  # waits for the step
+            train_ms += 1000 * (time.perf_counter() - t)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"non-finite train loss {loss} at step {step}")
+            say(f"step:{step + 1}/{N} train_time:{train_ms:.0f}ms step_avg:{train_ms / (step + 1):.2f}ms")
+        stats = jax.local_devices()[0].memory_stats() or {}
+        summary = {
+            "final_val_loss": val_loss,
+            "train_time_ms": train_ms,
+            "step_avg_ms": train_ms / N,
+            "tokens_per_s": N * hp.batch_size / (train_ms / 1000),
+            "compile_s": compile_s,
+            "peak_memory_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None,
+            "log": log.path if log else None,
+        }
+        peak = "n/a" if summary["peak_memory_mib"] is None else f"{summary['peak_memory_mib']:.0f}MiB"
+        say(f"summary final_val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms step_avg:{summary['step_avg_ms']:.2f}ms "
+            f"tokens_per_s:{summary['tokens_per_s']:.0f} compile_s:{compile_s:.1f} peak_memory:{peak}")
+        say("run complete")
+    except Interrupted as e:
+        say(f"interrupted at step {step} ({e})")
+        raise
+    except FloatingPointError as e:
+        say(f"stopped: {e}")
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if log:
+            log.close()
+    return summary
+
+
+# -----------------------------------------------------------------------------
+# Command line: every Hyperparameters field is a flag (--num-iterations 200, --train-files ...).
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Train the record-20 GPT (modded-nanogpt speedrun) in JAX on all local devices.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="named configuration; default: record when a GPU is present, else cpu")
+    for field in dataclasses.fields(Hyperparameters):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in (bool, "bool"):
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(field.type, field.type)
+            parser.add_argument(flag, dest=field.name, type=kind, default=None,
+                                help=f"(record preset: {getattr(PRESETS['record'], field.name)})")
+    args = parser.parse_args(argv)
+    preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hyperparameters)
+                 if getattr(args, f.name) is not None}
+    try:
+        hp = dataclasses.replace(PRESETS[preset], **overrides)
+    except ValueError as e:
+        parser.error(str(e))
+    return hp, preset, args.preset is None
+
+
+def main(argv=None) -> int:
+    hp, preset, chosen_for_you = parse_args(argv)
+    if chosen_for_you:
+        print(f"preset {preset} (chosen because the JAX backend is {jax.default_backend()}; "
+              f"pass --preset to choose)", flush=True)
+    enable_compile_cache(hp.compile_cache_dir)
+    try:
+        train(hp, preset, make_mesh())
+    except (DataError, ShardError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError:
+        return 1
+    except Interrupted as e:
+        return 143 if str(e) == "SIGTERM" else 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
