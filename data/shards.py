@@ -1,0 +1,71 @@
+"""The token shard format, read and written in one place (train_gpt.py and every data/ tool use it).
+
+A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count N, zeros),
+then N little-endian uint16 GPT-2 token ids: 1024 + 2·N bytes in all.
+"""
+import os
+
+import numpy as np
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+EOT = 50256  # <|endoftext|>: precedes every document
+
+
+class ShardError(ValueError):
+    """A shard file that cannot be used; the message names the file and the fix."""
+
+
+def write_shard(path, tokens) -> None:
+    """Write tokens as a shard. The file appears under its final name only once complete (written to
+    a temporary name, synced, then renamed), so an interrupted write never leaves a valid-looking shard."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
+        bad = tokens.min() if tokens.min() < 0 else tokens.max()
+        raise ValueError(f"token id {bad} does not fit a uint16 shard ({path})")
+    header = np.zeros(HEADER_INTS, "<i4")
+    header[:3] = MAGIC, VERSION, tokens.size
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_header(path) -> int:
+    """Validate a shard's header and size; return its token count."""
+    fix = "delete it and download or regenerate it"
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), "<i4")
+    except OSError as e:
+        raise ShardError(f"cannot read shard {path}: {e.strerror}") from None
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path} is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header: truncated? {fix}")
+    if header[0] != MAGIC:
+        raise ShardError(f"{path} is not a token shard (magic {header[0]}, expected {MAGIC}): {fix}")
+    if header[1] != VERSION:
+        raise ShardError(f"{path} has shard version {header[1]}, this code reads version {VERSION}: {fix}")
+    count = int(header[2])
+    if size != HEADER_BYTES + 2 * count:
+        state = "truncated" if size < HEADER_BYTES + 2 * count else "longer than its header says"
+        raise ShardError(f"{path} is {state}: {size} bytes for {count} tokens "
+                         f"(expected {HEADER_BYTES + 2 * count}): {fix}")
+    return count
+
+
+def open_shard(path) -> np.ndarray:
+    """The shard's tokens as a read-only uint16 memory map, after validating the header and size."""
+    count = read_header(path)
+    if count == 0:  # numpy cannot map zero bytes
+        return np.zeros(0, "<u2")
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))

@@ -1,0 +1,80 @@
+"""Synthetic token shards for offline runs and tests: learnable, deterministic from a seed.
+
+Text comes from a sparse random bigram model over a subset of the GPT-2 vocabulary: each of
+`vocab_used` token ids has `successors` possible next tokens with random probabilities, and a
+document ends with probability 1/mean_doc_len after each token. Every document starts with 50256,
+as in FineWeb shards. A model that learns the bigram table reaches a loss near the table's entropy
+(at most ln(successors)), far below ln(50304).
+
+  python data/synthetic.py --out data/synthetic [--seed 0] [--train-tokens N] [--val-tokens M] [--shard-tokens S]
+
+writes synthetic_val_000000.bin and synthetic_train_000001.bin, ... in the shard format.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data.shards import EOT, write_shard  # noqa: E402
+
+PARALLEL_DOCS = 4096  # independent document streams advanced together (vectorised)
+
+
+def bigram_model(seed: int, vocab_used: int = 2048, successors: int = 4):
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
+    token_ids = rng.choice(EOT, vocab_used, replace=False)  # spread over 0..50255
+    next_state = rng.integers(0, vocab_used, (vocab_used, successors))
+    cumulative = np.cumsum(rng.dirichlet(np.ones(successors), vocab_used), axis=1)
+    return token_ids, next_state, cumulative
+
+
+def synthetic_tokens(n: int, seed: int, stream: int = 1, mean_doc_len: int = 400) -> np.ndarray:
+    """n tokens (uint16) of the seed's bigram model; `stream` picks a disjoint random stream (train/val)."""
+    token_ids, next_state, cumulative = bigram_model(seed)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, stream]))
+    steps = -(-n // PARALLEL_DOCS)
+    out = np.empty((steps, PARALLEL_DOCS), np.uint16)
+    state = rng.integers(0, len(token_ids), PARALLEL_DOCS)
+    out[0] = EOT  # every stream starts a document
+    for t in range(1, steps):
+        ends = rng.random(PARALLEL_DOCS) < 1 / mean_doc_len
+        choice = (rng.random(PARALLEL_DOCS)[:, None] > cumulative[state]).sum(axis=1)
+        choice = np.minimum(choice, next_state.shape[1] - 1)  # guards cumsum rounding below 1.0
+        state = np.where(ends, rng.integers(0, len(token_ids), PARALLEL_DOCS), next_state[state, choice])
+        out[t] = np.where(ends, EOT, token_ids[state])
+    return out.T.reshape(-1)[:n]  # stream after stream
+
+
+def write_synthetic_shards(out_dir: str, seed: int = 0, train_tokens: int = 20_000_000, val_tokens: int = 2_000_000,
+                           shard_tokens: int = 10_000_000) -> list:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "synthetic_val_000000.bin")]
+    write_shard(paths[0], synthetic_tokens(val_tokens, seed, stream=2))
+    train = synthetic_tokens(train_tokens, seed, stream=1)
+    for i, start in enumerate(range(0, train_tokens, shard_tokens)):
+        paths.append(os.path.join(out_dir, f"synthetic_train_{i + 1:06d}.bin"))
+        write_shard(paths[-1], train[start:start + shard_tokens])
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "synthetic"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-tokens", type=int, default=20_000_000)
+    parser.add_argument("--val-tokens", type=int, default=2_000_000)
+    parser.add_argument("--shard-tokens", type=int, default=10_000_000)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    paths = write_synthetic_shards(args.out, args.seed, args.train_tokens, args.val_tokens, args.shard_tokens)
+    seconds = time.perf_counter() - t0
+    total = args.train_tokens + args.val_tokens
+    print(f"wrote {len(paths)} synthetic shards ({total:,} tokens) to {args.out} in {seconds:.1f}s "
+          f"({total / seconds:,.0f} tokens/s)")
+
+
+if __name__ == "__main__":
+    main()
