@@ -2,7 +2,7 @@
 
   python bench.py                          # record model, one 65,536-token forward+backward
   python bench.py --attention              # one attention layer fwd+bwd at windows 1, 7, 14 blocks
-  python bench.py --seq-len 8192 --remat   # shorter sequence / recompute blocks to save memory
+  python bench.py --seq-len 8192           # a shorter sequence
 
 MFU counts 6 FLOPs per matmul weight per token plus attention (12·D·attended keys per layer,
 fwd+bwd, documents ignored), against --peak-tflops (default: 989, H100 SXM dense bf16).
@@ -45,7 +45,6 @@ def main():
     parser.add_argument("--preset", default="record", choices=sorted(tg.PRESETS))
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--window", type=int, default=14, help="long window in blocks (short = half)")
-    parser.add_argument("--remat", action="store_true", help="recompute blocks in the backward pass")
     parser.add_argument("--no-fp8", action="store_true", help="bf16 head instead of the FP8 head")
     parser.add_argument("--attention", action="store_true", help="time one attention layer instead")
     parser.add_argument("--repeats", type=int, default=3)
@@ -80,11 +79,11 @@ def main():
     inputs, targets = jnp.asarray(tokens[:-1], jnp.int32), jnp.asarray(tokens[1:], jnp.int32)
 
     def fwd_bwd(params, inputs, targets, window):
-        return jax.value_and_grad(tg.loss_fn)(params, inputs, targets, window, True, not args.no_fp8, args.remat)
+        return jax.value_and_grad(tg.loss_fn)(params, inputs, targets, window, True, not args.no_fp8)
 
     compile_s, sec = timed(fwd_bwd, params, inputs, targets, jnp.int32(args.window), repeats=args.repeats)
     flops = model_flops_per_token(hp, args.window) * T
-    print(f"model fwd+bwd ({args.preset}, T={T}, window={args.window}, fp8={not args.no_fp8}, remat={args.remat}): "
+    print(f"model fwd+bwd ({args.preset}, T={T}, window={args.window}, fp8={not args.no_fp8}): "
           f"{sec * 1e3:.1f} ms, {T / sec:,.0f} tokens/s, {flops / sec / 1e12:.2f} TFLOP/s, "
           f"MFU {flops / sec / 1e12 / args.peak_tflops:.1%} of {args.peak_tflops:.0f} TFLOP/s; compile {compile_s:.1f}s")
 

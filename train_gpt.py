@@ -54,7 +54,6 @@ class Hyperparameters:
     num_heads: int = 6  # head dim is fixed at 128 (the rotary rule is defined for it)
     model_dim: int = 768
     fp8_head: bool = True  # FP8 lm_head in training (eval always uses the bf16 head)
-    remat: bool = False  # recompute blocks in the backward pass: less memory, ~1/3 more compute
     # optimization
     num_iterations: int = 1393
     cooldown_frac: float = 0.4  # lr factor 1.0, then linear to final_lr_frac over this last part
@@ -316,9 +315,8 @@ def block(params, i, x, x0, ve, docs_T, window, cos, sin):
     return x + mlp(params, i, rms_norm(x))
 
 
-def gpt_hidden(params, inputs_T, window_blocks, remat: bool = False):
-    """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) bf16.
-    remat recomputes each block in the backward pass instead of storing its activations."""
+def gpt_hidden(params, inputs_T, window_blocks):
+    """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) bf16."""
     L = num_layers_of(params)
     T = inputs_T.shape[0]
     docs_T = jnp.cumsum(inputs_T == EOT, dtype=jnp.int32)  # a 50256 token opens its document
@@ -327,7 +325,6 @@ def gpt_hidden(params, inputs_T, window_blocks, remat: bool = False):
     cos, sin = rotary_cos_sin(T)
     x0 = rms_norm(params["embed.weight"][inputs_T])
     ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T] for k in range(3)]
-    run_block = jax.checkpoint(block, static_argnums=(1,)) if remat else block
     x, skips = x0, []
     for i in range(L):
         if i >= L // 2:  # decoder: add the mirrored encoder block's output (U-net)
@@ -335,7 +332,7 @@ def gpt_hidden(params, inputs_T, window_blocks, remat: bool = False):
         ve_index = value_embed_index(i, L)
         ve = None if ve_index is None else ves[ve_index]
         window = long_window if has_long_window(i, L) else short_window
-        x = run_block(params, i, x, x0, ve, docs_T, window, cos, sin)
+        x = block(params, i, x, x0, ve, docs_T, window, cos, sin)
         if i < L // 2:
             skips.append(x)
     return rms_norm(x)
@@ -405,10 +402,10 @@ def head_loss(h_TxD, w_VxD, targets_T, use_fp8: bool):
     return jnp.sum(sums) / T
 
 
-def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True, remat: bool = False):
+def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True):
     """Mean next-token loss of one sequence (int32 (T,), T a multiple of 128). The FP8 head is a
     training-only path; evaluation (train=False) always uses the plain bf16 head."""
-    h_TxD = gpt_hidden(params, inputs, window_blocks, remat)
+    h_TxD = gpt_hidden(params, inputs, window_blocks)
     return head_loss(h_TxD, params["lm_head.weight"], targets, use_fp8=train and fp8)
 
 
@@ -710,7 +707,7 @@ def make_steps(hp: Hyperparameters, mesh, optimizer):
 
     def device_grads(params, inputs_RxT, targets_RxT, window):
         def micro_step(acc, xy):
-            loss, grads = jax.value_and_grad(loss_fn)(params, xy[0], xy[1], window, True, hp.fp8_head, hp.remat)
+            loss, grads = jax.value_and_grad(loss_fn)(params, xy[0], xy[1], window, True, hp.fp8_head)
             return jax.tree.map(lambda a, g: a + g.astype(F32), acc, (loss, grads)), None
 
         zeros = (jnp.zeros((), F32), jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
@@ -818,7 +815,7 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
         for step in range(N + 1):
             window = np.int32(window_blocks(step, hp))
             if step == N or (hp.val_loss_every and step % hp.val_loss_every == 0):
-                val_loss = float(np.mean([val_step(params, x, y, window) for x, y in val_batches]))
+                val_loss = float(np.mean([local_value(val_step(params, x, y, window)) for x, y in val_batches]))
                 say(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
                     f"step_avg:{train_ms / step if step else float('nan'):.2f}ms")
                 if not math.isfinite(val_loss):
@@ -828,7 +825,7 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
             inputs, targets = next(batches)
             t = time.perf_counter()
             params, opt_state, loss = train_step(params, opt_state, inputs, targets, window)
-            loss = float(loss)  # waits for the step
+            loss = local_value(loss)  # waits for the step
             train_ms += 1000 * (time.perf_counter() - t)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"non-finite train loss {loss} at step {step}")
@@ -861,6 +858,53 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
     return summary
 
 
+def local_value(x) -> float:
+    """A replicated scalar's value from this process's own copy (other processes' are not addressable)."""
+    return float(x.addressable_data(0))
+
+
+# -----------------------------------------------------------------------------
+# Several processes or hosts: jax.distributed with the coordinator given by flags or JAX_*
+# environment variables, or detected from SLURM / Open MPI. One process per host (all its GPUs) or
+# one per GPU both work: the mesh spans every process's devices, and each process loads only its
+# own virtual ranks.
+
+
+def distributed_settings(args):
+    """Keyword arguments for jax.distributed.initialize, or None for a plain single-process run."""
+    given = {
+        "coordinator_address": args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        "num_processes": args.num_processes or os.environ.get("JAX_NUM_PROCESSES"),
+        "process_id": args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID"),
+    }
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ValueError("a multi-process run needs --coordinator-address, --num-processes and --process-id "
+                             f"(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing: {missing}")
+        given["num_processes"], given["process_id"] = int(given["num_processes"]), int(given["process_id"])
+        return {**given, "heartbeat_timeout_seconds": args.heartbeat_timeout}
+    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
+        return {"heartbeat_timeout_seconds": args.heartbeat_timeout}  # JAX reads the cluster's variables
+    return None
+
+
+def start_distributed(settings) -> None:
+    if settings is None:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes (tests); GPUs use NCCL
+    jax.distributed.initialize(**settings)
+
+
+def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:
+    """Every process must train the same configuration (else the compiled programs differ and hang)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        digest = np.frombuffer(uuid.uuid5(uuid.NAMESPACE_OID, preset + repr(hp)).bytes, np.uint8)
+        multihost_utils.assert_equal(digest, "processes were started with different hyperparameters")
+
+
 # -----------------------------------------------------------------------------
 # Command line: every Hyperparameters field is a flag (--num-iterations 200, --train-files ...).
 
@@ -868,36 +912,46 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Train the record-20 GPT (modded-nanogpt speedrun) in JAX on all local devices.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="named configuration; default: record when a GPU is present, else cpu")
+    launch = parser.add_argument_group("multi-process launch (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                                       "JAX_PROCESS_ID; SLURM and Open MPI are detected)")
+    launch.add_argument("--coordinator-address", help="host:port of process 0")
+    launch.add_argument("--num-processes", type=int)
+    launch.add_argument("--process-id", type=int)
+    launch.add_argument("--heartbeat-timeout", type=int, default=100,
+                        help="seconds after which a silent process counts as dead and the others stop (100)")
+    hyper = parser.add_argument_group("hyperparameters (defaults: those of the chosen preset)")
     for field in dataclasses.fields(Hyperparameters):
         flag = "--" + field.name.replace("_", "-")
         if field.type in (bool, "bool"):
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+            hyper.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
         else:
-            kind = {"int": int, "float": float, "str": str}.get(field.type, field.type)
-            parser.add_argument(flag, dest=field.name, type=kind, default=None,
-                                help=f"(record preset: {getattr(PRESETS['record'], field.name)})")
+            hyper.add_argument(flag, dest=field.name, type=field.type, default=None,
+                               help=f"(record: {getattr(PRESETS['record'], field.name)}, "
+                                    f"cpu: {getattr(PRESETS['cpu'], field.name)})")
     args = parser.parse_args(argv)
-    preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hyperparameters)
                  if getattr(args, f.name) is not None}
-    try:
-        hp = dataclasses.replace(PRESETS[preset], **overrides)
-    except ValueError as e:
-        parser.error(str(e))
-    return hp, preset, args.preset is None
+    return args, overrides
 
 
 def main(argv=None) -> int:
-    hp, preset, chosen_for_you = parse_args(argv)
-    if chosen_for_you:
+    args, overrides = parse_args(argv)
+    try:
+        start_distributed(distributed_settings(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
+    if args.preset is None and jax.process_index() == 0:
         print(f"preset {preset} (chosen because the JAX backend is {jax.default_backend()}; "
               f"pass --preset to choose)", flush=True)
-    enable_compile_cache(hp.compile_cache_dir)
     try:
+        hp = dataclasses.replace(PRESETS[preset], **overrides)
+        enable_compile_cache(hp.compile_cache_dir)
+        assert_same_everywhere(hp, preset)
         train(hp, preset, make_mesh())
     except (DataError, ShardError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

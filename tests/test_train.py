@@ -16,7 +16,6 @@ import pytest
 
 import train_gpt as tg
 from data.shards import ShardError, write_shard
-from data.synthetic import write_synthetic_shards
 from records.logs import parse_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,31 +80,36 @@ def test_loader_rejects_bad_shards_naming_the_file(tmp_path):
 
 
 def test_accumulated_step_equals_the_average_of_per_sequence_gradients():
+    """4 sequences on one device: the step's gradient is the mean of the 4 per-sequence gradients.
+    The step is built with optax.identity() so that new params = params + gradient, exposing it."""
     rng = np.random.default_rng()
-    hp = dataclasses.replace(TINY, batch_size=4 * TINY.seq_len)
-    mesh = tg.make_mesh()
-    optimizer = tg.make_optimizer(hp, mesh)
-    train_step, _ = tg.make_steps(hp, mesh, optimizer)
+    hp = dataclasses.replace(TINY, batch_size=4 * TINY.seq_len, val_tokens=4 * TINY.seq_len)
+    train_step, _ = tg.make_steps(hp, tg.make_mesh(), optax.identity())
     params = tg.init_params(hp, 0)
-    params["lm_head.weight"] = jnp.asarray(rng.standard_normal(params["lm_head.weight"].shape) * 0.05, jnp.float32)
-    state = optimizer.init(params)
+    for k in params:  # the zero-initialised projections and head get values, so every gradient is non-zero
+        if k.endswith("c_proj.weight") or k == "lm_head.weight":
+            params[k] = jnp.asarray(rng.standard_normal(params[k].shape) * 0.02, jnp.float32)
     tokens = rng.integers(0, 3000, (4, hp.seq_len + 1))
     inputs, targets = jnp.asarray(tokens[:, :-1], jnp.int32), jnp.asarray(tokens[:, 1:], jnp.int32)
     window = jnp.int32(2)
 
-    # by hand: one gradient per sequence, averaged, one optimizer update
-    grads = [jax.grad(tg.loss_fn)(params, inputs[r], targets[r], window, True) for r in range(4)]
+    grad_fn = jax.jit(jax.grad(tg.loss_fn), static_argnums=4)
+    grads = [grad_fn(params, inputs[r], targets[r], window, True) for r in range(4)]
     mean = jax.tree.map(lambda *g: (sum(x.astype(jnp.float32) for x in g) / 4).astype(g[0].dtype), *grads)
-    updates, _ = optimizer.update(mean, state, params)
-    expected = optax.apply_updates(params, updates)
+    expected = optax.apply_updates(params, mean)
+    loss_fn = jax.jit(tg.loss_fn, static_argnums=4)
+    losses = [float(loss_fn(params, inputs[r], targets[r], window, True)) for r in range(4)]
 
-    new_params, _, loss = train_step(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state), inputs, targets, window)
-    want_loss = np.mean([float(tg.loss_fn(params, inputs[r], targets[r], window, True)) for r in range(4)])
-    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    new_params, _, loss = train_step(jax.tree.map(jnp.copy, params), optax.identity().init(params), inputs, targets,
+                                     window)
+    np.testing.assert_allclose(float(loss), np.mean(losses), rtol=1e-4)
     for k in expected:
-        a, b = np.asarray(new_params[k], np.float32), np.asarray(expected[k], np.float32)
-        moved = np.abs(np.asarray(params[k], np.float32) - b).max()
-        assert np.abs(a - b).max() <= 1e-3 * moved + 1e-6 * np.abs(b).max() + (1e-2 if b.dtype != a.dtype else 0), k
+        got, want = np.asarray(new_params[k], np.float32), np.asarray(expected[k], np.float32)
+        step = np.abs(want - np.asarray(params[k], np.float32)).max()
+        assert step > 0, k  # every parameter gets a gradient
+        # bf16 activations round differently inside the fused step: ~1% of the step; summing instead
+        # of averaging would be 300% off, dropping a sequence ~25%
+        np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * step + 1e-7, err_msg=k)
 
 
 DEVICE_SCRIPT = """
@@ -154,11 +158,9 @@ def test_one_device_and_eight_devices_compute_the_same_losses():
 # ---- whole runs of train_gpt.py
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    write_synthetic_shards(str(out), seed=1, train_tokens=60_000, val_tokens=8_000, shard_tokens=20_000)
-    return {"--train-files": str(out / "synthetic_train_*.bin"), "--val-files": str(out / "synthetic_val_*.bin")}
+@pytest.fixture
+def shards(synthetic_shards):
+    return synthetic_shards
 
 
 def tiny_args(shards, records, **overrides):
@@ -238,7 +240,7 @@ def test_non_finite_loss_stops_and_closes_the_log(shards, tmp_path):
 def test_sigterm_ends_the_log_with_interrupted(shards, tmp_path):
     records = tmp_path / "records"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"),
-                             *tiny_args(shards, records, **{"--num-iterations": 2000, "--val-loss-every": 0})],
+                             *tiny_args(shards, records, **{"--num-iterations": 50, "--val-loss-every": 0})],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         for line in proc.stdout:  # wait until training runs
