@@ -46,11 +46,12 @@ def read_header(path) -> int:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), "<i4")
+            raw = f.read(HEADER_BYTES)
     except OSError as e:
         raise ShardError(f"cannot read shard {path}: {e.strerror}") from None
     if size < HEADER_BYTES:
         raise ShardError(f"{path} is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header: truncated? {fix}")
+    header = np.frombuffer(raw, "<i4")
     if header[0] != MAGIC:
         raise ShardError(f"{path} is not a token shard (magic {header[0]}, expected {MAGIC}): {fix}")
     if header[1] != VERSION:

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.shards import EOT, write_shard  # noqa: E402
 
-PARALLEL_DOCS = 4096  # independent document streams advanced together (vectorised)
+STREAM_TOKENS = 4000  # tokens per independent stream; streams are advanced together (vectorised)
 
 
 def bigram_model(seed: int, vocab_used: int = 2048, successors: int = 4):
@@ -35,15 +35,16 @@ def synthetic_tokens(n: int, seed: int, stream: int = 1, mean_doc_len: int = 400
     """n tokens (uint16) of the seed's bigram model; `stream` picks a disjoint random stream (train/val)."""
     token_ids, next_state, cumulative = bigram_model(seed)
     rng = np.random.default_rng(np.random.SeedSequence([seed, stream]))
-    steps = -(-n // PARALLEL_DOCS)
-    out = np.empty((steps, PARALLEL_DOCS), np.uint16)
-    state = rng.integers(0, len(token_ids), PARALLEL_DOCS)
+    streams = max(1, n // STREAM_TOKENS)
+    steps = -(-n // streams)
+    out = np.empty((steps, streams), np.uint16)
+    state = rng.integers(0, len(token_ids), streams)
     out[0] = EOT  # every stream starts a document
     for t in range(1, steps):
-        ends = rng.random(PARALLEL_DOCS) < 1 / mean_doc_len
-        choice = (rng.random(PARALLEL_DOCS)[:, None] > cumulative[state]).sum(axis=1)
+        ends = rng.random(streams) < 1 / mean_doc_len
+        choice = (rng.random(streams)[:, None] > cumulative[state]).sum(axis=1)
         choice = np.minimum(choice, next_state.shape[1] - 1)  # guards cumsum rounding below 1.0
-        state = np.where(ends, rng.integers(0, len(token_ids), PARALLEL_DOCS), next_state[state, choice])
+        state = np.where(ends, rng.integers(0, len(token_ids), streams), next_state[state, choice])
         out[t] = np.where(ends, EOT, token_ids[state])
     return out.T.reshape(-1)[:n]  # stream after stream
 

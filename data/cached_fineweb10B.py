@@ -1,0 +1,98 @@
+"""Download GPT-2-tokenized FineWeb shards (the speedrun's data) from the Hugging Face hub.
+
+  python data/cached_fineweb10B.py N [--out DIR]
+
+fetches fineweb_val_000000.bin and train shards 1..N (100M tokens each; 8 cover the record's 1393
+steps) from the dataset repo kjj0/fineweb10B-gpt2 into data/fineweb10B/, one file at a time.
+Shards already present and valid are skipped without touching the network. Every file's header
+and size are checked; a bad one is moved aside (NAME.bad) and reported. Exit code 0 when all N+1
+shards are valid, 1 when a file was bad, 2 when the hub cannot be reached.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data.shards import ShardError, read_header  # noqa: E402
+
+REPO_ID = "kjj0/fineweb10B-gpt2"
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb10B")
+
+
+class HubUnreachable(RuntimeError):
+    pass
+
+
+def shard_names(n: int) -> list:
+    return ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, n + 1)]
+
+
+def hf_download(name: str, out_dir: str) -> str:
+    """One file from the hub (never snapshot_download: offline it returns an empty folder, no error)."""
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(repo_id=REPO_ID, filename=name, repo_type="dataset", local_dir=out_dir)
+
+
+def is_valid(path: str) -> bool:
+    try:
+        read_header(path)
+        return True
+    except ShardError:
+        return False
+
+
+def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, log=print) -> list:
+    """Make sure the val shard and train shards 1..n exist and are valid; returns the bad files' errors.
+    Raises HubUnreachable (with what is missing and what to do) when the hub cannot be reached."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = shard_names(n)
+    problems = []
+    for i, name in enumerate(names, 1):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path) and is_valid(path):
+            log(f"[{i}/{len(names)}] {name}: present, valid")
+            continue
+        if os.path.exists(path):
+            log(f"[{i}/{len(names)}] {name}: present but invalid, downloading again")
+            os.replace(path, path + ".bad")
+        log(f"[{i}/{len(names)}] {name}: downloading from {REPO_ID}")
+        try:
+            path = download(name, out_dir)
+        except Exception as e:  # noqa: BLE001  (huggingface_hub raises many kinds when offline)
+            missing = [m for m in names[i - 1:] if not os.path.exists(os.path.join(out_dir, m))]
+            raise HubUnreachable(
+                f"could not download {name} from the Hugging Face dataset repo {REPO_ID} "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).\n"
+                f"Missing in {out_dir}: {', '.join(missing)}.\n"
+                f"Connect to the internet (unset HF_HUB_OFFLINE; set HF_ENDPOINT for a mirror) and run again, "
+                f"or copy the shards into {out_dir}."
+            ) from None
+        try:
+            read_header(path)
+        except ShardError as e:
+            os.replace(path, path + ".bad")
+            problems.append(f"{e} (moved to {path}.bad)")
+            log(f"[{i}/{len(names)}] {name}: INVALID: {e}")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("n", type=int, help="number of train shards (100M tokens each)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the shards")
+    args = parser.parse_args(argv)
+    if args.n < 0:
+        parser.error("N must be >= 0")
+    try:
+        problems = download_shards(args.n, args.out)
+    except HubUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

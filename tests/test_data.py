@@ -1,0 +1,184 @@
+"""data/: the shard format, the downloader (offline), the tokenizer and the synthetic shards."""
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import tiktoken
+
+from data import cached_fineweb10B, fineweb, synthetic
+from data.shards import EOT, HEADER_BYTES, ShardError, open_shard, read_header, write_shard
+
+
+# ---- shard format
+
+
+def test_write_read_round_trip(tmp_path):
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 65536, int(rng.integers(1, 100_000)))
+    path = str(tmp_path / "s.bin")
+    write_shard(path, tokens)
+    assert os.path.getsize(path) == HEADER_BYTES + 2 * len(tokens)
+    assert read_header(path) == len(tokens)
+    np.testing.assert_array_equal(open_shard(path), tokens)
+    assert os.listdir(tmp_path) == ["s.bin"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "truncated", "count_too_large", "trailing", "tiny"])
+def test_damaged_shards_are_rejected_with_the_file_name(tmp_path, damage):
+    path = tmp_path / f"shard_{damage}.bin"
+    write_shard(str(path), np.arange(1000))
+    data = bytearray(path.read_bytes())
+    header = np.frombuffer(data[:HEADER_BYTES], "<i4").copy()
+    if damage == "magic":
+        header[0] = 12345
+    elif damage == "version":
+        header[1] = 2
+    elif damage == "count_too_large":
+        header[2] = 5000
+    data[:HEADER_BYTES] = header.tobytes()
+    if damage == "truncated":
+        data = data[:-10]
+    elif damage == "trailing":
+        data += b"\0\0"
+    elif damage == "tiny":
+        data = data[:100]
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=f"shard_{damage}.bin"):
+        open_shard(str(path))
+
+
+def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
+    path = str(tmp_path / "s.bin")
+    with pytest.raises(ValueError, match="70000"):
+        write_shard(path, [1, 2, 70000])
+
+    def broken_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError):
+        write_shard(path, np.arange(100))
+    assert os.listdir(tmp_path) == []
+
+
+# ---- downloader
+
+
+def test_offline_download_fails_fast_and_names_the_repo(tmp_path, capsys):
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    t0 = time.perf_counter()
+    code = cached_fineweb10B.main(["1", "--out", str(tmp_path)])
+    assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err
+    assert code == 2 and "kjj0/fineweb10B-gpt2" in err and "fineweb_train_000001.bin" in err
+
+
+def fake_hub(calls):
+    def download(name, out_dir):
+        calls.append(name)
+        path = os.path.join(out_dir, name)
+        write_shard(path, np.arange(2000) % 50257)
+        return path
+    return download
+
+
+def test_valid_files_are_skipped_and_invalid_ones_replaced(tmp_path):
+    calls = []
+    assert cached_fineweb10B.download_shards(2, str(tmp_path), fake_hub(calls), log=lambda *_: None) == []
+    assert calls == ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    calls.clear()
+    assert cached_fineweb10B.download_shards(2, str(tmp_path), fake_hub(calls), log=lambda *_: None) == []
+    assert calls == []  # everything present and valid: no download at all
+    (tmp_path / "fineweb_train_000002.bin").write_bytes(b"garbage")
+    cached_fineweb10B.download_shards(2, str(tmp_path), fake_hub(calls), log=lambda *_: None)
+    assert calls == ["fineweb_train_000002.bin"] and (tmp_path / "fineweb_train_000002.bin.bad").exists()
+
+
+def test_an_invalid_download_is_reported_and_not_used(tmp_path):
+    def bad_hub(name, out_dir):
+        path = os.path.join(out_dir, name)
+        with open(path, "wb") as f:
+            f.write(b"<html>rate limited</html>")
+        return path
+
+    problems = cached_fineweb10B.download_shards(0, str(tmp_path), bad_hub, log=lambda *_: None)
+    assert len(problems) == 1 and "fineweb_val_000000.bin" in problems[0]
+    assert not (tmp_path / "fineweb_val_000000.bin").exists()
+
+
+# ---- tokenizer
+
+
+def byte_encoding():
+    """A byte-level BPE with no merges: needs no download, unlike GPT-2's."""
+    return tiktoken.Encoding(name="bytes", pat_str=r"""\S+|\s+""", mergeable_ranks={bytes([i]): i for i in range(256)},
+                             special_tokens={"<|endoftext|>": EOT})
+
+
+def random_text(rng, n):
+    words = ["".join(rng.choice(list("abcdefghij éü"), int(rng.integers(1, 8)))) for _ in range(n)]
+    return " ".join(words)
+
+
+def test_tokenizer_layout_and_shard_split(tmp_path):
+    rng = np.random.default_rng()
+    enc = byte_encoding()
+    docs = [random_text(rng, int(rng.integers(5, 60))) for _ in range(int(rng.integers(20, 40)))]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[:10]) + "\n")
+    (tmp_path / "b.txt").write_text("\n<|endoftext|>\n".join(docs[10:]))
+    files = fineweb.input_files([str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")])
+    read = [d for f in files for d in fineweb.read_documents(f, separator="<|endoftext|>")]
+    assert [d.strip() for d in read] == [d.strip() for d in docs]
+    expected = np.concatenate([[EOT] + enc.encode_ordinary(d) for d in read])
+    shard_tokens = int(rng.integers(50, 400))
+    paths = fineweb.tokenize_to_shards(read, str(tmp_path / "out"), "demo", shard_tokens, encoding=enc)
+    names = [os.path.basename(p) for p in paths]
+    assert names[0] == "demo_val_000000.bin"
+    assert names[1:] == [f"demo_train_{i:06d}.bin" for i in range(1, len(paths))]
+    assert all(read_header(p) == shard_tokens for p in paths[:-1]) and 0 < read_header(paths[-1]) <= shard_tokens
+    np.testing.assert_array_equal(np.concatenate([open_shard(p) for p in paths]), expected)
+
+
+def test_interrupted_tokenization_leaves_only_complete_shards(tmp_path):
+    enc = byte_encoding()
+
+    def documents():
+        for i in range(100):
+            if i == 60:
+                raise KeyboardInterrupt
+            yield "document number %d " % i * 5
+
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.tokenize_to_shards(documents(), str(tmp_path), "x", 1000, encoding=enc)
+    for name in os.listdir(tmp_path):  # whatever exists is a complete, valid shard
+        assert read_header(str(tmp_path / name)) == 1000
+
+
+# ---- synthetic shards
+
+
+def test_synthetic_shards_are_deterministic_and_learnable(tmp_path):
+    seed = int(np.random.default_rng().integers(1 << 20))
+    a = synthetic.write_synthetic_shards(str(tmp_path / "a"), seed, 300_000, 50_000, 200_000)
+    b = synthetic.write_synthetic_shards(str(tmp_path / "b"), seed, 300_000, 50_000, 200_000)
+    c = synthetic.write_synthetic_shards(str(tmp_path / "c"), seed + 1, 300_000, 50_000, 200_000)
+    assert [os.path.basename(p) for p in a] == ["synthetic_val_000000.bin", "synthetic_train_000001.bin",
+                                               "synthetic_train_000002.bin"]
+    for pa, pb, pc in zip(a, b, c):
+        assert open(pa, "rb").read() == open(pb, "rb").read()
+        assert open(pa, "rb").read() != open(pc, "rb").read()
+    train = np.concatenate([open_shard(p) for p in a[1:]]).astype(np.int64)
+    val = np.asarray(open_shard(a[0]), np.int64)
+    assert train[0] == EOT and val[0] == EOT and 0.001 < np.mean(train == EOT) < 0.01
+    # a bigram count model fit on train, scored on val (add-k smoothing over the padded vocabulary)
+    pair_counts = {}
+    for p, n in zip(*np.unique(train[:-1] * 65536 + train[1:], return_counts=True)):
+        pair_counts[p] = n
+    prev, prev_n = np.unique(train[:-1], return_counts=True)
+    prev_counts = dict(zip(prev, prev_n))
+    k, V = 0.01, 50304
+    pairs = val[:-1] * 65536 + val[1:]
+    logp = [np.log((pair_counts.get(p, 0) + k) / (prev_counts.get(p // 65536, 0) + k * V)) for p in pairs]
+    assert -np.mean(logp) < 0.5 * np.log(V)
