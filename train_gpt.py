@@ -650,6 +650,22 @@ class RecordLog:
         self.file.close()
 
 
+def val_line(step: int, N: int, val_loss: float, train_ms: float) -> str:
+    return (f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
+            f"step_avg:{train_ms / step if step else float('nan'):.2f}ms")
+
+
+def train_line(step: int, N: int, train_ms: float) -> str:
+    return f"step:{step}/{N} train_time:{train_ms:.0f}ms step_avg:{train_ms / step:.2f}ms"
+
+
+def summary_line(s: dict) -> str:
+    peak = "n/a" if s["peak_memory_mib"] is None else f"{s['peak_memory_mib']:.0f}MiB"
+    return (f"summary final_val_loss:{s['final_val_loss']:.4f} train_time:{s['train_time_ms']:.0f}ms "
+            f"step_avg:{s['step_avg_ms']:.2f}ms tokens_per_s:{s['tokens_per_s']:.0f} compile_s:{s['compile_s']:.1f} "
+            f"peak_memory:{peak}")
+
+
 def new_log_path(records_dir: str) -> str:
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
     return os.path.join(records_dir, f"{stamp}_{uuid.uuid4().hex[:8]}.txt")
@@ -816,8 +832,7 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
             window = np.int32(window_blocks(step, hp))
             if step == N or (hp.val_loss_every and step % hp.val_loss_every == 0):
                 val_loss = float(np.mean([local_value(val_step(params, x, y, window)) for x, y in val_batches]))
-                say(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-                    f"step_avg:{train_ms / step if step else float('nan'):.2f}ms")
+                say(val_line(step, N, val_loss, train_ms))
                 if not math.isfinite(val_loss):
                     raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}")
             if step == N:
@@ -829,7 +844,7 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
             train_ms += 1000 * (time.perf_counter() - t)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"non-finite train loss {loss} at step {step}")
-            say(f"step:{step + 1}/{N} train_time:{train_ms:.0f}ms step_avg:{train_ms / (step + 1):.2f}ms")
+            say(train_line(step + 1, N, train_ms))
         stats = jax.local_devices()[0].memory_stats() or {}
         summary = {
             "final_val_loss": val_loss,
@@ -840,9 +855,7 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
             "peak_memory_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None,
             "log": log.path if log else None,
         }
-        peak = "n/a" if summary["peak_memory_mib"] is None else f"{summary['peak_memory_mib']:.0f}MiB"
-        say(f"summary final_val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms step_avg:{summary['step_avg_ms']:.2f}ms "
-            f"tokens_per_s:{summary['tokens_per_s']:.0f} compile_s:{compile_s:.1f} peak_memory:{peak}")
+        say(summary_line(summary))
         say("run complete")
     except Interrupted as e:
         say(f"interrupted at step {step} ({e})")
