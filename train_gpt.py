@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import queue
 import signal
 import subprocess
 import sys
@@ -603,27 +604,41 @@ def token_windows(files: list, batch_size: int, seq_len: int, rows: range):
 
 def prefetch(iterator, put, depth: int = 2):
     """Run `put(next(iterator))` on a background thread so the host prepares the next batch while
-    the devices compute; exceptions are re-raised in the consumer."""
-    import queue
+    the devices compute. Exceptions are re-raised in the consumer; closing the generator stops and
+    joins the thread (a thread still inside JAX at interpreter exit can crash the process)."""
+    q, stop = queue.Queue(maxsize=depth), threading.Event()
 
-    q = queue.Queue(maxsize=depth)
+    def offer(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def worker():
         try:
             for item in iterator:
-                q.put(put(item))
+                if not offer(put(item)):
+                    return
         except BaseException as e:  # noqa: BLE001  (handed to the consumer)
-            q.put(e)
-        q.put(StopIteration())
+            offer(e)
+        offer(StopIteration())
 
-    threading.Thread(target=worker, daemon=True).start()
-    while True:
-        item = q.get()
-        if isinstance(item, StopIteration):
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if isinstance(item, StopIteration):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 # -----------------------------------------------------------------------------
@@ -690,7 +705,8 @@ def environment_lines() -> list:
 
 def log_header(log: RecordLog, hp: Hyperparameters, preset: str) -> None:
     with open(os.path.abspath(__file__)) as f:
-        log.file.write(f.read())
+        source = f.read()
+    log.file.write(source if source.endswith("\n") else source + "\n")
     for line in [RULE, *environment_lines(), RULE, f"Hyperparameters (preset {preset}):",
                  json.dumps(dataclasses.asdict(hp), indent=1), RULE]:
         log.file.write(line + "\n")
@@ -864,6 +880,7 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
         say(f"stopped: {e}")
         raise
     finally:
+        batches.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if log:
