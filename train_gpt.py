@@ -961,7 +961,11 @@ def parse_args(argv=None):
             hyper.add_argument(flag, dest=field.name, type=field.type, default=None,
                                help=f"(record: {getattr(PRESETS['record'], field.name)}, "
                                     f"cpu: {getattr(PRESETS['cpu'], field.name)})")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
+                "--train-files 'data/fineweb10B/fineweb_train_*.bin')") if unknown[0].endswith(".bin") else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hyperparameters)
                  if getattr(args, f.name) is not None}
     return args, overrides
