@@ -145,6 +145,7 @@ def tokenize_to_shards(documents, out_dir: str, name: str = "fineweb", shard_tok
     if encoding is not None or workers <= 1:
         encoding = encoding or gpt2_encoding()
         return write_token_stream((encode_documents(encoding, c) for c in chunks), out_dir, name, shard_tokens)
+    gpt2_encoding()  # fail here, once, if the BPE files cannot be had (a failing pool initializer would respawn forever)
     with multiprocessing.Pool(workers, initializer=_init_worker) as pool:
         return write_token_stream(pool.imap(_encode_chunk, chunks, chunksize=4), out_dir, name, shard_tokens)
 

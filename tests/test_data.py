@@ -182,3 +182,14 @@ def test_synthetic_shards_are_deterministic_and_learnable(tmp_path):
     pairs = val[:-1] * 65536 + val[1:]
     logp = [np.log((pair_counts.get(p, 0) + k) / (prev_counts.get(p // 65536, 0) + k * V)) for p in pairs]
     assert -np.mean(logp) < 0.5 * np.log(V)
+
+
+def test_missing_gpt2_bpe_fails_at_once_instead_of_respawning_workers(tmp_path, monkeypatch):
+    def offline():
+        raise SystemExit("tiktoken could not load the GPT-2 BPE")
+
+    monkeypatch.setattr(fineweb, "gpt2_encoding", offline)
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit, match="GPT-2 BPE"):
+        fineweb.tokenize_to_shards(["a document"] * 10, str(tmp_path), workers=2)
+    assert time.perf_counter() - t0 < 10
