@@ -786,9 +786,10 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
     my_rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
     train_files = shard_files(hp.train_files, "--train-files")
     val_files = shard_files(hp.val_files, "--val-files")
-    if steps_available(train_files, hp.batch_size) < N:
+    available = steps_available(train_files, hp.batch_size)
+    if available < N:
         raise DataError(
-            f"the shards matching --train-files {hp.train_files!r} hold {steps_available(train_files, hp.batch_size)} "
+            f"the shards matching --train-files {hp.train_files!r} hold {available} "
             f"steps of {hp.batch_size} tokens but --num-iterations is {N}: add shards (FineWeb: "
             f"`python data/cached_fineweb10B.py {math.ceil(N / 190)}`) or lower --num-iterations"
         )
@@ -806,8 +807,7 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
         raise OSError(f"cannot write record logs to --records-dir {hp.records_dir!r} ({problem}): "
                       f"choose a writable folder")
 
-    is_main = jax.process_index() == 0
-    log = RecordLog(new_log_path(hp.records_dir), quiet=quiet or not is_main) if is_main else None
+    log = RecordLog(new_log_path(hp.records_dir), quiet) if jax.process_index() == 0 else None
 
     def say(text):
         if log:
@@ -815,8 +815,8 @@ def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
 
     if log:
         log_header(log, hp, preset)
-    say(f"preset {preset}: {N} steps x {hp.batch_size} tokens, {mesh.size} device(s), {per_device} sequence(s) "
-        f"of {hp.seq_len} per device per step; log {log.path if log else ''}")
+        say(f"preset {preset}: {N} steps x {hp.batch_size} tokens, {mesh.size} device(s), {per_device} sequence(s) "
+            f"of {hp.seq_len} per device per step; log {log.path}")
     rows = NamedSharding(mesh, P("dp"))
 
     def put(batch):
