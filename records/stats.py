@@ -16,14 +16,28 @@ from records.logs import LogError, parse_log, require_complete  # noqa: E402
 
 
 def t_test_less(values: list, target: float):
-    """(t, p) of the one-sided one-sample t-test with H1: mean < target; p is None without scipy."""
+    """(t, p) of the one-sided one-sample t-test with H1: mean < target; p is None without scipy,
+    an optional extra (the t statistic alone already says which way the evidence points)."""
     n = len(values)
-    t = (statistics.mean(values) - target) / (statistics.stdev(values) / n**0.5)
     try:
         from scipy import stats
     except ImportError:
-        return t, None
-    return t, float(stats.t.cdf(t, df=n - 1))
+        return (statistics.mean(values) - target) / (statistics.stdev(values) / n**0.5), None
+    result = stats.ttest_1samp(values, target, alternative="less")
+    return float(result.statistic), float(result.pvalue)
+
+
+def configuration_differences(runs: list) -> str:
+    """What, besides the seed and where files go, differs between the runs ('' if nothing): a
+    record claim pools runs of one configuration, and a glob like records/*.txt easily mixes in old ones."""
+    free = {"seed", "records_dir", "compile_cache_dir"}
+    first = runs[0].hyperparameters
+    keys = sorted(k for k in set().union(*(r.hyperparameters for r in runs)) - free
+                  if any(r.hyperparameters.get(k) != first.get(k) for r in runs))
+    what = ["train_gpt.py source"] if len({r.source for r in runs}) > 1 else []
+    if keys:
+        what.append(f"hyperparameters ({', '.join(keys)})")
+    return ", ".join(what)
 
 
 def main(argv=None) -> int:
@@ -40,26 +54,34 @@ def main(argv=None) -> int:
     losses = [r.final_val_loss for r in runs]
     times = [r.train_time_ms / 1000 for r in runs]
     n = len(runs)
-    sd = statistics.stdev if n > 1 else (lambda _: float("nan"))
+
+    def spread(values, digits, unit=""):  # a sample standard deviation needs 2 values
+        return f"  std {statistics.stdev(values):.{digits}f}{unit}" if n > 1 else ""
+
     print(f"runs: {n}")
-    print(f"final val loss: mean {statistics.mean(losses):.4f}  std {sd(losses):.4f}  "
+    print(f"final val loss: mean {statistics.mean(losses):.4f}{spread(losses, 4)}  "
           f"min {min(losses):.4f}  max {max(losses):.4f}")
-    print(f"training time:  mean {statistics.mean(times):.2f}s  std {sd(times):.2f}s")
+    print(f"training time:  mean {statistics.mean(times):.2f}s{spread(times, 2, 's')}")
+    if differences := configuration_differences(runs):
+        print(f"note: the runs differ in {differences}; a record claim should test runs of one configuration")
     if n < 2:
-        print("one run: no t-test (run it several times)")
+        print("one run: no t-test (it needs at least 2 runs)")
         return 0
     if len(set(losses)) == 1:
-        print("all final losses are equal: the t-test is undefined")
+        print("all final losses are equal, so the t-test is undefined: identical runs (the same --seed on a "
+              "deterministic backend) are one sample, not several; vary --seed")
         return 0
     t, p = t_test_less(losses, args.target)
     if p is None:
-        print(f"t = {t:.3f} (df {n - 1}); the p-value needs scipy: pip install scipy")
+        print(f"t = {t:.3f} (df {n - 1}); the p-value, and so the record claim, needs scipy: pip install scipy")
         return 0
     print(f"one-sided t-test, H1: mean final val loss < {args.target}: t = {t:.3f}, df = {n - 1}, p = {p:.3g}")
     if p < args.alpha:
         print(f"record claim holds at p<{args.alpha:g}")
     else:
-        print(f"record claim does NOT hold at p<{args.alpha:g} (p = {p:.3g}): more runs or a lower mean loss needed")
+        why = ("the mean is not below the target" if statistics.mean(losses) >= args.target
+               else "the mean is below the target, but not significantly: more runs or a lower loss needed")
+        print(f"record claim does NOT hold at p<{args.alpha:g} (p = {p:.3g}): {why}")
     return 0
 
 
