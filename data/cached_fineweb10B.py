@@ -6,11 +6,13 @@ fetches fineweb_val_000000.bin and train shards 1..N (100M tokens each; 8 cover 
 steps) from the dataset repo kjj0/fineweb10B-gpt2 into data/fineweb10B/, one file at a time.
 Shards already present and valid are skipped without touching the network. Every file's header
 and size are checked; a bad one is moved aside (NAME.bad) and reported. Exit code 0 when all N+1
-shards are valid, 1 when a file was bad, 2 when the hub cannot be reached.
+shards are valid, 1 when a file was bad or the hub refused it, 2 when the hub cannot be reached.
 """
 import argparse
 import os
 import sys
+
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.shards import ShardError, read_header  # noqa: E402
@@ -32,6 +34,18 @@ def hf_download(name: str, out_dir: str) -> str:
     from huggingface_hub import hf_hub_download
 
     return hf_hub_download(repo_id=REPO_ID, filename=name, repo_type="dataset", local_dir=out_dir)
+
+
+def first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def unreachable_message(name: str, missing: list, out_dir: str, e: Exception) -> str:
+    connect = ("HF_HUB_OFFLINE is set: unset it" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false")
+               else "Connect to the internet (or set HF_ENDPOINT to a reachable mirror)")
+    return (f"could not download {name} from the Hugging Face dataset repo {REPO_ID} ({first_line(e)}).\n"
+            f"Missing in {out_dir}: {', '.join(missing)}.\n"
+            f"{connect} and run again, or copy those shards into {out_dir}.")
 
 
 def is_valid(path: str) -> bool:
@@ -59,15 +73,13 @@ def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, lo
         log(f"[{i}/{len(names)}] {name}: downloading from {REPO_ID}")
         try:
             path = download(name, out_dir)
-        except Exception as e:  # noqa: BLE001  (huggingface_hub raises many kinds when offline)
+        except HfHubHTTPError as e:  # the hub answered, with an error: no such file, no access, server trouble
+            problems.append(f"{name}: the hub {REPO_ID} answered: {first_line(e)}")
+            log(f"[{i}/{len(names)}] {name}: FAILED: {first_line(e)}")
+            continue
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError) as e:  # no answer
             missing = [m for m in names[i - 1:] if not os.path.exists(os.path.join(out_dir, m))]
-            raise HubUnreachable(
-                f"could not download {name} from the Hugging Face dataset repo {REPO_ID} "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).\n"
-                f"Missing in {out_dir}: {', '.join(missing)}.\n"
-                f"Connect to the internet (unset HF_HUB_OFFLINE; set HF_ENDPOINT for a mirror) and run again, "
-                f"or copy the shards into {out_dir}."
-            ) from None
+            raise HubUnreachable(unreachable_message(name, missing, out_dir, e)) from None
         try:
             read_header(path)
         except ShardError as e:

@@ -8,7 +8,9 @@ Inputs: .txt files (one document per file, or documents split on lines equal to 
 "text" column; needs the optional package pyarrow), and folders (searched for those). Each document
 is preceded by <|endoftext|> (50256) and documents are packed back to back across shards. The first
 shard is the val shard NAME_val_000000.bin, the rest NAME_train_000001.bin, ... Shards appear under
-their final names only when complete. Tokenizing uses all cores (--workers).
+their final names only when complete (an interrupted run leaves complete shards only), and the tool
+refuses an --out that already holds NAME_* shards. Tokenizing uses all cores (--workers). GPT-2's
+BPE files are fetched by tiktoken once (internet) and cached in TIKTOKEN_CACHE_DIR.
 """
 import argparse
 import glob
@@ -22,9 +24,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import write_shard  # noqa: E402
+from data.shards import read_header, write_shard  # noqa: E402
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb"
+SAMPLE_10BT_FILES = 14  # sample/10BT/000_00000.parquet .. 013_00000.parquet
 CHUNK_DOCS = 256  # documents per task handed to a worker
 
 
@@ -41,7 +44,15 @@ def input_files(paths: list) -> list:
     return files
 
 
-def read_documents(path: str, separator: str = None):
+def pyarrow_parquet():
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise SystemExit("reading .parquet files needs pyarrow, an optional extra: pip install pyarrow") from None
+    return pyarrow.parquet
+
+
+def read_documents(path: str, separator: str | None = None):
     """Yield the documents (str) of one input file."""
     if path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
@@ -52,11 +63,7 @@ def read_documents(path: str, separator: str = None):
                     except (json.JSONDecodeError, KeyError, TypeError):
                         raise ValueError(f"{path} line {n} is not a JSON object with a 'text' field") from None
     elif path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise SystemExit(f"reading {path} needs pyarrow, an optional extra: pip install pyarrow") from None
-        for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
+        for batch in pyarrow_parquet().ParquetFile(path).iter_batches(columns=["text"]):
             yield from batch.column("text").to_pylist()
     else:
         with open(path, encoding="utf-8") as f:
@@ -81,18 +88,20 @@ def gpt2_encoding():
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # noqa: BLE001  (tiktoken raises network errors of several kinds)
         raise SystemExit(
-            f"tiktoken could not load the GPT-2 BPE ({type(e).__name__}). It downloads two files once and caches "
-            f"them in TIKTOKEN_CACHE_DIR: connect to the internet once, or point TIKTOKEN_CACHE_DIR at a folder "
-            f"that holds them."
+            f"tiktoken could not load the GPT-2 BPE ({type(e).__name__}: {str(e)[:120]}...).\n"
+            f"tiktoken downloads its two files (vocab.bpe, encoder.json) from openaipublic.blob.core.windows.net "
+            f"once and caches them in TIKTOKEN_CACHE_DIR (default: <tmp>/data-gym-cache). Connect to the internet "
+            f"once, or set TIKTOKEN_CACHE_DIR to a copy of that cache from a machine where "
+            f"tiktoken.get_encoding('gpt2') has run."
         ) from None
 
 
-_worker_encoding = None
+_worker_encoding = None  # set in each pool worker by _init_worker
 
 
-def _init_worker():
+def _init_worker(encoding):
     global _worker_encoding
-    _worker_encoding = gpt2_encoding()
+    _worker_encoding = encoding
 
 
 def _encode_chunk(docs: list) -> np.ndarray:
@@ -139,23 +148,34 @@ def batched(iterable, n: int):
 
 def tokenize_to_shards(documents, out_dir: str, name: str = "fineweb", shard_tokens: int = 100_000_000,
                        encoding=None, workers: int = 1) -> list:
-    """Tokenize an iterable of documents into shards. With workers > 1 the GPT-2 encoding runs in a
-    process pool (order kept); an injected `encoding` runs in this process."""
+    """Tokenize an iterable of documents into shards (GPT-2's BPE unless an `encoding` is given). With
+    workers > 1 chunks of documents are encoded in a process pool; imap keeps their order."""
+    # Loaded here, once: a pool initializer that fails (no BPE files) would be respawned forever.
+    encoding = encoding or gpt2_encoding()
     chunks = batched(documents, CHUNK_DOCS)
-    if encoding is not None or workers <= 1:
-        encoding = encoding or gpt2_encoding()
+    if workers <= 1:
         return write_token_stream((encode_documents(encoding, c) for c in chunks), out_dir, name, shard_tokens)
-    gpt2_encoding()  # fail here, once, if the BPE files cannot be had (a failing pool initializer would respawn forever)
-    with multiprocessing.Pool(workers, initializer=_init_worker) as pool:
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoding,)) as pool:
         return write_token_stream(pool.imap(_encode_chunk, chunks, chunksize=4), out_dir, name, shard_tokens)
 
 
 def download_fineweb_sample(k: int, out_dir: str) -> list:
-    """The first k parquet files of FineWeb sample-10BT (raw text), one at a time."""
+    """The first k parquet files of FineWeb sample-10BT (raw text, ~2 GB each), one at a time."""
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    return [hf_hub_download(FINEWEB_REPO, f"sample/10BT/{i:03d}_00000.parquet", repo_type="dataset",
-                            local_dir=os.path.join(out_dir, "raw")) for i in range(k)]
+    paths, raw_dir = [], os.path.join(out_dir, "raw")
+    for i in range(k):
+        name = f"sample/10BT/{i:03d}_00000.parquet"
+        print(f"[{i + 1}/{k}] {name}")
+        try:
+            paths.append(hf_hub_download(FINEWEB_REPO, name, repo_type="dataset", local_dir=raw_dir))
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError) as e:
+            raise SystemExit(f"could not download {name} from the Hugging Face dataset repo {FINEWEB_REPO} "
+                             f"({type(e).__name__}). Connect to the internet (unset HF_HUB_OFFLINE; HF_ENDPOINT "
+                             f"for a mirror), or download the parquet files elsewhere and pass them as inputs."
+                             ) from None
+    return paths
 
 
 def main(argv=None) -> int:
@@ -169,17 +189,34 @@ def main(argv=None) -> int:
     parser.add_argument("--fineweb-sample10bt", type=int, default=0, metavar="K",
                         help="download and tokenize the first K raw FineWeb sample-10BT parquet files")
     args = parser.parse_args(argv)
-    files = input_files(args.inputs)
-    if args.fineweb_sample10bt:
-        files += download_fineweb_sample(args.fineweb_sample10bt, args.out)
-    if not files:
+    k = args.fineweb_sample10bt
+    if args.shard_tokens < 1:
+        parser.error("--shard-tokens must be >= 1")
+    if not 0 <= k <= SAMPLE_10BT_FILES:
+        parser.error(f"--fineweb-sample10bt takes 0..{SAMPLE_10BT_FILES} (the sample has {SAMPLE_10BT_FILES} files)")
+    try:
+        files = input_files(args.inputs)
+    except FileNotFoundError as e:
+        parser.error(str(e))
+    if not files and not k:
         parser.error("no inputs: give files or folders, or --fineweb-sample10bt K")
+    old = glob.glob(os.path.join(args.out, f"{args.name}_*_[0-9][0-9][0-9][0-9][0-9][0-9].bin"))
+    if old:  # a shorter new run would leave stale shards that a --train-files glob still picks up
+        parser.error(f"{args.out} already holds {len(old)} {args.name}_* shards: delete them or choose another "
+                     f"--out or --name")
+    # Everything that can fail fast does so before any download or tokenizing, not hours later.
+    if k or any(f.endswith(".parquet") for f in files):
+        pyarrow_parquet()
+    encoding = gpt2_encoding()
+    if k:
+        files += download_fineweb_sample(k, args.out)
     documents = (doc for path in files for doc in read_documents(path, args.separator))
     t0 = time.perf_counter()
-    paths = tokenize_to_shards(documents, args.out, args.name, args.shard_tokens, workers=args.workers)
+    paths = tokenize_to_shards(documents, args.out, args.name, args.shard_tokens, encoding, args.workers)
     seconds = time.perf_counter() - t0
-    total = sum(os.path.getsize(p) - 1024 for p in paths) // 2
-    print(f"wrote {len(paths)} shards, {total:,} tokens, to {args.out} in {seconds:.1f}s ({total / seconds:,.0f} tokens/s)")
+    total = sum(read_header(p) for p in paths)
+    print(f"wrote {len(paths)} shards, {total:,} tokens, to {args.out} in {seconds:.1f}s "
+          f"({total / seconds:,.0f} tokens/s)")
     return 0
 
 

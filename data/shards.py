@@ -22,9 +22,11 @@ def write_shard(path, tokens) -> None:
     """Write tokens as a shard. The file appears under its final name only once complete (written to
     a temporary name, synced, then renamed), so an interrupted write never leaves a valid-looking shard."""
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
-        bad = tokens.min() if tokens.min() < 0 else tokens.max()
-        raise ValueError(f"token id {bad} does not fit a uint16 shard ({path})")
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens for {path} must be integers, got dtype {tokens.dtype}")
+    lo, hi = (int(tokens.min()), int(tokens.max())) if tokens.size else (0, 0)
+    if lo < 0 or hi > 65535:
+        raise ValueError(f"token id {lo if lo < 0 else hi} does not fit a uint16 shard ({path})")
     header = np.zeros(HEADER_INTS, "<i4")
     header[:3] = MAGIC, VERSION, tokens.size
     tmp = f"{path}.tmp{os.getpid()}"
@@ -42,13 +44,15 @@ def write_shard(path, tokens) -> None:
 
 def read_header(path) -> int:
     """Validate a shard's header and size; return its token count."""
-    fix = "delete it and download or regenerate it"
+    fix = ("delete it and re-download it (python data/cached_fineweb10B.py N) "
+           "or regenerate it (data/fineweb.py, data/synthetic.py)")
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
     except OSError as e:
-        raise ShardError(f"cannot read shard {path}: {e.strerror}") from None
+        raise ShardError(f"cannot read shard {path}: {e.strerror}. Download it (python data/cached_fineweb10B.py N), "
+                         f"generate it (data/fineweb.py, data/synthetic.py) or fix the path") from None
     if size < HEADER_BYTES:
         raise ShardError(f"{path} is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header: truncated? {fix}")
     header = np.frombuffer(raw, "<i4")

@@ -33,6 +33,8 @@ def bigram_model(seed: int, vocab_used: int = 2048, successors: int = 4):
 
 def synthetic_tokens(n: int, seed: int, stream: int = 1, mean_doc_len: int = 400) -> np.ndarray:
     """n tokens (uint16) of the seed's bigram model; `stream` picks a disjoint random stream (train/val)."""
+    if n <= 0:
+        return np.zeros(0, np.uint16)
     token_ids, next_state, cumulative = bigram_model(seed)
     rng = np.random.default_rng(np.random.SeedSequence([seed, stream]))
     streams = max(1, n // STREAM_TOKENS)
@@ -51,6 +53,7 @@ def synthetic_tokens(n: int, seed: int, stream: int = 1, mean_doc_len: int = 400
 
 def write_synthetic_shards(out_dir: str, seed: int = 0, train_tokens: int = 20_000_000, val_tokens: int = 2_000_000,
                            shard_tokens: int = 10_000_000) -> list:
+    """The val shard (its own random stream) then train shards of shard_tokens each; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "synthetic_val_000000.bin")]
     write_shard(paths[0], synthetic_tokens(val_tokens, seed, stream=2))
@@ -69,6 +72,8 @@ def main(argv=None):
     parser.add_argument("--val-tokens", type=int, default=2_000_000)
     parser.add_argument("--shard-tokens", type=int, default=10_000_000)
     args = parser.parse_args(argv)
+    if min(args.train_tokens, args.val_tokens) < 0 or args.shard_tokens < 1:
+        parser.error("token counts must be >= 0 and --shard-tokens >= 1")
     t0 = time.perf_counter()
     paths = write_synthetic_shards(args.out, args.seed, args.train_tokens, args.val_tokens, args.shard_tokens)
     seconds = time.perf_counter() - t0

@@ -2,13 +2,19 @@
 import json
 import os
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
-import numpy as np
-import pytest
-import tiktoken
+os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is imported: these tests never use the network
 
-from data import cached_fineweb10B, fineweb, synthetic
-from data.shards import EOT, HEADER_BYTES, ShardError, open_shard, read_header, write_shard
+import huggingface_hub.constants  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tiktoken  # noqa: E402
+from huggingface_hub.errors import RemoteEntryNotFoundError  # noqa: E402
+
+from data import cached_fineweb10B, fineweb, synthetic  # noqa: E402
+from data.shards import EOT, HEADER_BYTES, ShardError, open_shard, read_header, write_shard  # noqa: E402
 
 
 # ---- shard format
@@ -49,10 +55,19 @@ def test_damaged_shards_are_rejected_with_the_file_name(tmp_path, damage):
         open_shard(str(path))
 
 
+def test_a_missing_shard_is_named(tmp_path):
+    with pytest.raises(ShardError, match="nowhere.bin"):
+        read_header(str(tmp_path / "nowhere.bin"))
+
+
 def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
     path = str(tmp_path / "s.bin")
     with pytest.raises(ValueError, match="70000"):
         write_shard(path, [1, 2, 70000])
+    with pytest.raises(ValueError, match="-1"):
+        write_shard(path, [1, -1])
+    with pytest.raises(ValueError, match="integers"):
+        write_shard(path, [1.5])
 
     def broken_fsync(fd):
         raise OSError(28, "No space left on device")
@@ -66,8 +81,9 @@ def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path, monkeypatc
 # ---- downloader
 
 
-def test_offline_download_fails_fast_and_names_the_repo(tmp_path, capsys):
-    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+def test_offline_download_fails_fast_and_names_the_repo(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once, at import
     t0 = time.perf_counter()
     code = cached_fineweb10B.main(["1", "--out", str(tmp_path)])
     assert time.perf_counter() - t0 < 5
@@ -96,6 +112,20 @@ def test_valid_files_are_skipped_and_invalid_ones_replaced(tmp_path):
     assert calls == ["fineweb_train_000002.bin"] and (tmp_path / "fineweb_train_000002.bin.bad").exists()
 
 
+def test_a_file_the_hub_refuses_is_reported_and_the_rest_still_downloaded(tmp_path, capsys):
+    calls = []
+
+    def hub(name, out_dir):
+        if name == "fineweb_train_000001.bin":
+            no_response = SimpleNamespace(headers={}, request=None)
+            raise RemoteEntryNotFoundError("404 Client Error: Entry Not Found", response=no_response)
+        return fake_hub(calls)(name, out_dir)
+
+    problems = cached_fineweb10B.download_shards(2, str(tmp_path), hub, log=lambda *_: None)
+    assert calls == ["fineweb_val_000000.bin", "fineweb_train_000002.bin"]
+    assert len(problems) == 1 and "fineweb_train_000001.bin" in problems[0] and "404" in problems[0]
+
+
 def test_an_invalid_download_is_reported_and_not_used(tmp_path):
     def bad_hub(name, out_dir):
         path = os.path.join(out_dir, name)
@@ -122,23 +152,39 @@ def random_text(rng, n):
     return " ".join(words)
 
 
-def test_tokenizer_layout_and_shard_split(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_tokenizer_layout_and_shard_split(tmp_path, workers):
     rng = np.random.default_rng()
     enc = byte_encoding()
-    docs = [random_text(rng, int(rng.integers(5, 60))) for _ in range(int(rng.integers(20, 40)))]
+    # more documents than one pool task (CHUNK_DOCS), so that worker order matters
+    docs = [random_text(rng, int(rng.integers(5, 60))) for _ in range(int(rng.integers(300, 700)))]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[:10]) + "\n")
     (tmp_path / "b.txt").write_text("\n<|endoftext|>\n".join(docs[10:]))
     files = fineweb.input_files([str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")])
     read = [d for f in files for d in fineweb.read_documents(f, separator="<|endoftext|>")]
     assert [d.strip() for d in read] == [d.strip() for d in docs]
     expected = np.concatenate([[EOT] + enc.encode_ordinary(d) for d in read])
-    shard_tokens = int(rng.integers(50, 400))
-    paths = fineweb.tokenize_to_shards(read, str(tmp_path / "out"), "demo", shard_tokens, encoding=enc)
+    shard_tokens = int(rng.integers(len(expected) // 10, len(expected) // 2))
+    paths = fineweb.tokenize_to_shards(read, str(tmp_path / "out"), "demo", shard_tokens, encoding=enc, workers=workers)
     names = [os.path.basename(p) for p in paths]
     assert names[0] == "demo_val_000000.bin"
     assert names[1:] == [f"demo_train_{i:06d}.bin" for i in range(1, len(paths))]
     assert all(read_header(p) == shard_tokens for p in paths[:-1]) and 0 < read_header(paths[-1]) <= shard_tokens
     np.testing.assert_array_equal(np.concatenate([open_shard(p) for p in paths]), expected)
+
+
+def test_tokenizer_cli_writes_shards_and_refuses_to_mix_with_old_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(fineweb, "gpt2_encoding", byte_encoding)  # GPT-2's BPE is not downloadable offline
+    (tmp_path / "docs").mkdir()
+    for i in range(5):
+        (tmp_path / "docs" / f"{i}.txt").write_text(f"document {i} " * 40)
+    args = [str(tmp_path / "docs"), "--out", str(tmp_path / "out"), "--shard-tokens", "2000", "--workers", "1"]
+    assert fineweb.main(args) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]  # 5 x 441
+    assert "tokens/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        fineweb.main(args)
+    assert "already holds 2 fineweb_* shards" in capsys.readouterr().err
 
 
 def test_interrupted_tokenization_leaves_only_complete_shards(tmp_path):
@@ -148,7 +194,7 @@ def test_interrupted_tokenization_leaves_only_complete_shards(tmp_path):
         for i in range(100):
             if i == 60:
                 raise KeyboardInterrupt
-            yield "document number %d " % i * 5
+            yield f"document number {i} " * 5
 
     with pytest.raises(KeyboardInterrupt):
         fineweb.tokenize_to_shards(documents(), str(tmp_path), "x", 1000, encoding=enc)
@@ -166,22 +212,24 @@ def test_synthetic_shards_are_deterministic_and_learnable(tmp_path):
     c = synthetic.write_synthetic_shards(str(tmp_path / "c"), seed + 1, 300_000, 50_000, 200_000)
     assert [os.path.basename(p) for p in a] == ["synthetic_val_000000.bin", "synthetic_train_000001.bin",
                                                "synthetic_train_000002.bin"]
-    for pa, pb, pc in zip(a, b, c):
-        assert open(pa, "rb").read() == open(pb, "rb").read()
-        assert open(pa, "rb").read() != open(pc, "rb").read()
+    for pa, pb, pc in zip(a, b, c, strict=True):
+        assert Path(pa).read_bytes() == Path(pb).read_bytes() != Path(pc).read_bytes()
     train = np.concatenate([open_shard(p) for p in a[1:]]).astype(np.int64)
     val = np.asarray(open_shard(a[0]), np.int64)
     assert train[0] == EOT and val[0] == EOT and 0.001 < np.mean(train == EOT) < 0.01
     # a bigram count model fit on train, scored on val (add-k smoothing over the padded vocabulary)
-    pair_counts = {}
-    for p, n in zip(*np.unique(train[:-1] * 65536 + train[1:], return_counts=True)):
-        pair_counts[p] = n
-    prev, prev_n = np.unique(train[:-1], return_counts=True)
-    prev_counts = dict(zip(prev, prev_n))
     k, V = 0.01, 50304
-    pairs = val[:-1] * 65536 + val[1:]
-    logp = [np.log((pair_counts.get(p, 0) + k) / (prev_counts.get(p // 65536, 0) + k * V)) for p in pairs]
-    assert -np.mean(logp) < 0.5 * np.log(V)
+    pair_n = counts_of(train[:-1] * 65536 + train[1:], val[:-1] * 65536 + val[1:])
+    prev_n = counts_of(train[:-1], val[:-1])
+    cross_entropy = -np.mean(np.log((pair_n + k) / (prev_n + k * V)))
+    assert cross_entropy < 0.5 * np.log(V)
+
+
+def counts_of(seen, queries):
+    """How often each query value occurs in `seen`."""
+    values, counts = np.unique(seen, return_counts=True)
+    at = np.minimum(np.searchsorted(values, queries), len(values) - 1)
+    return np.where(values[at] == queries, counts[at], 0)
 
 
 def test_missing_gpt2_bpe_fails_at_once_instead_of_respawning_workers(tmp_path, monkeypatch):
