@@ -55,6 +55,7 @@ class Hyperparameters:
     num_heads: int = 6  # head dim is fixed at 128 (the rotary rule is defined for it)
     model_dim: int = 768
     fp8_head: bool = True  # FP8 lm_head in training (eval always uses the bf16 head)
+    attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernel; interpreted on CPU)
     # optimization
     num_iterations: int = 1393
     cooldown_frac: float = 0.4  # lr factor 1.0, then linear to final_lr_frac over this last part
@@ -83,6 +84,8 @@ class Hyperparameters:
             problems.append(f"--num-layers {self.num_layers}: the U-net needs an even number >= 6")
         if self.val_tokens <= 0 or self.val_tokens % self.batch_size:
             problems.append(f"--val-tokens {self.val_tokens} must be a positive multiple of --batch-size {self.batch_size}")
+        if self.attention not in ("xla", "pallas"):
+            problems.append(f"--attention {self.attention!r}: choose xla or pallas")
         if problems:
             raise ValueError("bad hyperparameters:\n  " + "\n  ".join(problems))
 
@@ -283,7 +286,10 @@ def _attention_bwd(res, dout_TxHxD):
 block_sparse_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(params, i, x_TxD, ve_TxD, docs_T, window, cos, sin):
+ATTENTION = {"xla": block_sparse_attention}  # --attention: implementations of the same rule
+
+
+def causal_self_attention(params, i, x_TxD, ve_TxD, docs_T, window, cos, sin, attend):
     T, D = x_TxD.shape
     H = D // HEAD_DIM
     qkv_w = params[f"blocks.{i}.attn.qkv_w"]  # (3, D, D): [W_q; W_k; W_v], each (out, in)
@@ -294,7 +300,7 @@ def attention(params, i, x_TxD, ve_TxD, docs_T, window, cos, sin):
     if ve_TxD is not None:
         v = v + scale(lambdas[1], ve_TxD.reshape(T, H, HEAD_DIM))
     q, k = apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin)
-    y_TxHxK = block_sparse_attention(q, k, v, docs_T, window)
+    y_TxHxK = attend(q, k, v, docs_T, window)
     return linear(y_TxHxK.reshape(T, D), params[f"blocks.{i}.attn.c_proj.weight"])
 
 
@@ -307,16 +313,16 @@ def num_layers_of(params) -> int:
     return sum(name.endswith(".lambdas") and ".attn." not in name for name in params)
 
 
-def block(params, i, x, x0, ve, docs_T, window, cos, sin):
+def block(params, i, x, x0, ve, docs_T, window, cos, sin, attend):
     """One transformer block: x0 mixing, attention (all blocks but one), ReLU² MLP."""
     lambdas = params[f"blocks.{i}.lambdas"]
     x = scale(lambdas[0], x) + scale(lambdas[1], x0)
     if has_attention(i, num_layers_of(params)):
-        x = x + attention(params, i, rms_norm(x), ve, docs_T, window, cos, sin)
+        x = x + causal_self_attention(params, i, rms_norm(x), ve, docs_T, window, cos, sin, attend)
     return x + mlp(params, i, rms_norm(x))
 
 
-def gpt_hidden(params, inputs_T, window_blocks):
+def gpt_hidden(params, inputs_T, window_blocks, attention: str = "xla"):
     """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) bf16."""
     L = num_layers_of(params)
     T = inputs_T.shape[0]
@@ -333,7 +339,7 @@ def gpt_hidden(params, inputs_T, window_blocks):
         ve_index = value_embed_index(i, L)
         ve = None if ve_index is None else ves[ve_index]
         window = long_window if has_long_window(i, L) else short_window
-        x = block(params, i, x, x0, ve, docs_T, window, cos, sin)
+        x = block(params, i, x, x0, ve, docs_T, window, cos, sin, ATTENTION[attention])
         if i < L // 2:
             skips.append(x)
     return rms_norm(x)
@@ -403,10 +409,10 @@ def head_loss(h_TxD, w_VxD, targets_T, use_fp8: bool):
     return jnp.sum(sums) / T
 
 
-def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True):
+def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True, attention: str = "xla"):
     """Mean next-token loss of one sequence (int32 (T,), T a multiple of 128). The FP8 head is a
     training-only path; evaluation (train=False) always uses the plain bf16 head."""
-    h_TxD = gpt_hidden(params, inputs, window_blocks)
+    h_TxD = gpt_hidden(params, inputs, window_blocks, attention)
     return head_loss(h_TxD, params["lm_head.weight"], targets, use_fp8=train and fp8)
 
 
@@ -739,7 +745,8 @@ def make_steps(hp: Hyperparameters, mesh, optimizer):
 
     def device_grads(params, inputs_RxT, targets_RxT, window):
         def micro_step(acc, xy):
-            loss, grads = jax.value_and_grad(loss_fn)(params, xy[0], xy[1], window, True, hp.fp8_head)
+            loss, grads = jax.value_and_grad(loss_fn)(params, xy[0], xy[1], window, True, hp.fp8_head,
+                                                        hp.attention)
             return jax.tree.map(lambda a, g: a + g.astype(F32), acc, (loss, grads)), None
 
         zeros = (jnp.zeros((), F32), jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
@@ -748,7 +755,7 @@ def make_steps(hp: Hyperparameters, mesh, optimizer):
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     def device_val_loss(params, inputs_RxT, targets_RxT, window):
-        losses = jax.lax.map(lambda xy: loss_fn(params, xy[0], xy[1], window, False), (inputs_RxT, targets_RxT))
+        losses = jax.lax.map(lambda xy: loss_fn(params, xy[0], xy[1], window, False, attention=hp.attention), (inputs_RxT, targets_RxT))
         return jax.lax.pmean(jnp.mean(losses), "dp")
 
     specs = dict(mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()), check_vma=False)
