@@ -174,8 +174,10 @@ def linear(x, w_OxI):
 
 
 def scale(s, x):
-    """A scalar parameter times a bf16 activation stays bf16 (torch's promotion for 0-d tensors)."""
-    return s.astype(x.dtype) * x
+    """s·x for a scalar s (0-d fp32 parameter or Python float) and an activation x: the product is
+    taken in fp32 and rounded once to x's dtype, as torch's bf16 kernels do. Why not s.astype(bf16)·x:
+    that rounds s itself (3.4445 -> 3.4375), and makes a parameter's gradient a bf16 sum over T·D terms."""
+    return (jnp.asarray(s, F32) * x.astype(F32)).astype(x.dtype)
 
 
 def rotary_cos_sin(T: int, head_dim: int = HEAD_DIM):
@@ -322,16 +324,17 @@ def block(params, i, x, x0, ve, docs_T, window, cos, sin, attend):
     return x + mlp(params, i, rms_norm(x))
 
 
-def gpt_hidden(params, inputs_T, window_blocks, attention: str = "xla"):
-    """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) bf16."""
+def gpt_hidden(params, inputs_T, window_blocks, attention: str = "xla", dtype=BF16):
+    """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) in `dtype`
+    (bf16 as the reference; F32 runs the whole model in fp32, the yardstick of the numerics tests)."""
     L = num_layers_of(params)
     T = inputs_T.shape[0]
     docs_T = jnp.cumsum(inputs_T == EOT, dtype=jnp.int32)  # a 50256 token opens its document
     long_window = jnp.maximum(window_blocks, 1)
     short_window = jnp.maximum(window_blocks // 2, 1)
     cos, sin = rotary_cos_sin(T)
-    x0 = rms_norm(params["embed.weight"][inputs_T])
-    ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T] for k in range(3)]
+    x0 = rms_norm(params["embed.weight"][inputs_T].astype(dtype))
+    ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T].astype(dtype) for k in range(3)]
     x, skips = x0, []
     for i in range(L):
         if i >= L // 2:  # decoder: add the mirrored encoder block's output (U-net)
@@ -409,10 +412,11 @@ def head_loss(h_TxD, w_VxD, targets_T, use_fp8: bool):
     return jnp.sum(sums) / T
 
 
-def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True, attention: str = "xla"):
+def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True, attention: str = "xla",
+            dtype=BF16):
     """Mean next-token loss of one sequence (int32 (T,), T a multiple of 128). The FP8 head is a
     training-only path; evaluation (train=False) always uses the plain bf16 head."""
-    h_TxD = gpt_hidden(params, inputs, window_blocks, attention)
+    h_TxD = gpt_hidden(params, inputs, window_blocks, attention, dtype)
     return head_loss(h_TxD, params["lm_head.weight"], targets, use_fp8=train and fp8)
 
 
@@ -448,10 +452,10 @@ def newton_schulz(G_BxMxN, steps: int = 5):
         X = X.swapaxes(-2, -1)
     norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(F32)), axis=(-2, -1), keepdims=True))
     X = X / (norm + 1e-7).astype(BF16)
-    for _ in range(steps):
+    for _ in range(steps):  # each op rounds once to bf16 with fp32 coefficients (scale), like torch's
         A = X @ X.swapaxes(-2, -1)
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        B = scale(b, A) + scale(c, A @ A)
+        X = scale(a, X) + B @ X
     return X.swapaxes(-2, -1) if tall else X
 
 
@@ -743,21 +747,33 @@ def make_steps(hp: Hyperparameters, mesh, optimizer):
     """The jitted train step and validation step (not yet compiled)."""
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
 
+    def device_mean(per_sequence, init, inputs_RxT, targets_RxT):
+        """Mean of per_sequence(x, y) over this device's sequences, one at a time (lax.scan, fp32
+        sums), then over the devices (pmean)."""
+        def add(total, xy):
+            return jax.tree.map(lambda t, v: t + v.astype(F32), total, per_sequence(*xy)), None
+
+        total, _ = jax.lax.scan(add, init, (inputs_RxT, targets_RxT))
+        return jax.lax.pmean(jax.tree.map(lambda t: t / inputs_RxT.shape[0], total), "dp")
+
+    # Training and validation share this structure (shard_map, then a scan over the device's
+    # sequences) so that the two programs differ only by the gradient and the head.
     def device_grads(params, inputs_RxT, targets_RxT, window):
-        def micro_step(acc, xy):
-            loss, grads = jax.value_and_grad(loss_fn)(params, xy[0], xy[1], window, True, hp.fp8_head,
-                                                        hp.attention)
-            return jax.tree.map(lambda a, g: a + g.astype(F32), acc, (loss, grads)), None
+        def loss_and_grads(x_T, y_T):
+            return jax.value_and_grad(loss_fn)(params, x_T, y_T, window, True, hp.fp8_head, hp.attention)
 
         zeros = (jnp.zeros((), F32), jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (inputs_RxT, targets_RxT))
-        loss, grads = jax.lax.pmean(jax.tree.map(lambda x: x / inputs_RxT.shape[0], (loss, grads)), "dp")
+        loss, grads = device_mean(loss_and_grads, zeros, inputs_RxT, targets_RxT)
         return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     def device_val_loss(params, inputs_RxT, targets_RxT, window):
-        losses = jax.lax.map(lambda xy: loss_fn(params, xy[0], xy[1], window, False, attention=hp.attention), (inputs_RxT, targets_RxT))
-        return jax.lax.pmean(jnp.mean(losses), "dp")
+        def loss(x_T, y_T):
+            return loss_fn(params, x_T, y_T, window, False, attention=hp.attention)
 
+        return device_mean(loss, jnp.zeros((), F32), inputs_RxT, targets_RxT)
+
+    # check_vma=False: the scan's carry starts as replicated zeros and becomes device-varying, which
+    # the varying-axes check would reject without explicit casts; pmean makes the results replicated.
     specs = dict(mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()), check_vma=False)
 
     def train_step(params, opt_state, inputs, targets, window):
