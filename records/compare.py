@@ -1,9 +1,12 @@
-"""Compare two record logs: what changed (source, hyperparameters), the validation curves at common
-steps, and the timing.
+"""Compare two record logs, ours (train_gpt.py) or the PyTorch speedrun's, in any pairing: what
+changed (source, hyperparameters), the validation curves, and final loss, time and memory.
 
   python records/compare.py A.txt B.txt [--plot out.png] [--baseline record20] [--allow-incomplete]
 
---plot draws val loss against step and against training time for both runs (needs matplotlib, an
+Sources are diffed only between logs of the same language. Between a JAX and a PyTorch log, the
+hyperparameters of the same meaning are shown side by side (SAME_MEANING maps the names). Curves
+are shown at common steps and, when the step counts differ, at common fractions of training.
+--plot draws val loss against step, fraction of training and training time (needs matplotlib, an
 optional extra); --baseline record20 adds the published PyTorch record-20 curve (records/record20_curve.tsv).
 Logs of unfinished runs are rejected unless --allow-incomplete (their partial curves are shown).
 """
@@ -13,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import LogError, parse_log, require_complete  # noqa: E402
+from records.logs import LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete  # noqa: E402
 
 BASELINES = {"record20": os.path.join(os.path.dirname(os.path.abspath(__file__)), "record20_curve.tsv")}
 
@@ -25,18 +28,76 @@ def load_baseline(name: str) -> list:
     return [(int(s), float(v), float(t)) for s, v, t in rows]
 
 
+# Our hyperparameter -> the PyTorch scripts' names for the same quantity (records 18-22 say
+# seq_len, later ones train_seq_len); checked against their Hyperparameters dataclasses.
+SAME_MEANING = {
+    "train_files": ("train_files",),
+    "val_files": ("val_files",),
+    "val_tokens": ("val_tokens",),
+    "batch_size": ("batch_size",),  # tokens per optimizer step, all devices together
+    "seq_len": ("seq_len", "train_seq_len"),  # tokens per training sequence: one GPU's share
+    "num_iterations": ("num_iterations",),
+    "cooldown_frac": ("cooldown_frac",),
+    "val_loss_every": ("val_loss_every",),
+    "vocab_size": ("vocab_size",),
+    "num_layers": ("num_layers",),
+    "num_heads": ("num_heads",),
+    "model_dim": ("model_dim",),
+}
+
+
+class _Absent:
+    def __repr__(self):
+        return "(absent)"
+
+
+ABSENT = _Absent()  # a hyperparameter the script does not name
+
+
 def source_diff(a, b) -> list:
+    if a.layout != b.layout:
+        return [f"not diffed: A is a {LAYOUT_NAMES[a.layout]}, B a {LAYOUT_NAMES[b.layout]} (different languages)"]
     diff = list(difflib.unified_diff(a.source.splitlines(), b.source.splitlines(), a.path, b.path, lineterm=""))
     return diff or ["sources identical"]
 
 
 def hyperparameter_changes(a, b) -> list:
+    """Same layout: every hyperparameter whose value differs, by its name in the logs."""
     keys = list(a.hyperparameters) + [k for k in b.hyperparameters if k not in a.hyperparameters]
-    changes = [f"{k}: {a.hyperparameters.get(k, '(absent)')!r} -> {b.hyperparameters.get(k, '(absent)')!r}"
-               for k in keys if a.hyperparameters.get(k) != b.hyperparameters.get(k)]
+    changes = [f"{k}: {a.hyperparameters.get(k, ABSENT)!r} -> {b.hyperparameters.get(k, ABSENT)!r}"
+               for k in keys if a.hyperparameters.get(k, ABSENT) != b.hyperparameters.get(k, ABSENT)]
     if a.preset != b.preset:
         changes.insert(0, f"preset: {a.preset} -> {b.preset}")
     return changes or ["hyperparameters identical"]
+
+
+def hyperparameter_pairs(a, b) -> list:
+    """One JAX and one PyTorch log: the hyperparameters of the same meaning (SAME_MEANING), side by
+    side, absent where a script does not name one; then the names that have no counterpart."""
+    ours, theirs = (a, b) if a.layout == OURS else (b, a)
+    rows, mapped = [], set()
+    for name, torch_names in SAME_MEANING.items():
+        torch_name = next((n for n in torch_names if n in theirs.hyperparameters), None)
+        mapped.add(torch_name)
+        mine, other = ours.hyperparameters.get(name, ABSENT), theirs.hyperparameters.get(torch_name, ABSENT)
+        x, y = (mine, other) if a is ours else (other, mine)
+        label = name if torch_name in (None, name) else f"{name} (PyTorch: {torch_name})"
+        differs = x is not ABSENT and y is not ABSENT and x != y
+        rows.append(f"{label}: A {x!r}, B {y!r}" + ("  <- differs" if differs else ""))
+    for label, run, names in (("A", a, SAME_MEANING if a is ours else mapped),
+                              ("B", b, SAME_MEANING if b is ours else mapped)):
+        if rest := [k for k in run.hyperparameters if k not in names]:
+            rows.append(f"only in {label} (no counterpart): {', '.join(rest)}")
+    return rows
+
+
+def interpolate(curve: list, x: float):
+    """Val loss at step x, linear between the logged val steps; None outside them."""
+    points = [(s, v) for s, v, _ in curve]
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if s0 <= x <= s1:
+            return v0 + (v1 - v0) * (x - s0) / (s1 - s0) if s1 > s0 else v0
+    return points[0][1] if len(points) == 1 and points[0][0] == x else None
 
 
 def curve_table(a, b, baseline=None, baseline_name="") -> list:
@@ -52,44 +113,75 @@ def curve_table(a, b, baseline=None, baseline_name="") -> list:
     return rows if len(rows) > 1 else ["no common validation steps"]
 
 
+def fraction_table(a, b) -> list:
+    """Runs of different lengths: val loss at 0%, 10%, ..., 100% of each run's steps."""
+    na, nb = a.num_iterations, b.num_iterations
+    rows = [f"{'frac':>5} {'A step':>7} {'A':>8} {'B step':>7} {'B':>8} {'B-A':>8}"]
+    for i in range(11):
+        x, y = interpolate(a.val_curve, i / 10 * na), interpolate(b.val_curve, i / 10 * nb)
+        if x is not None and y is not None:
+            rows.append(f"{i / 10:>5.1f} {i / 10 * na:>7.0f} {x:>8.4f} {i / 10 * nb:>7.0f} {y:>8.4f} {y - x:>+8.4f}")
+    return rows if len(rows) > 1 else ["no common fractions of training"]
+
+
+def _shown(x, spec: str) -> str:
+    return f"{'n/a':>10}" if x is None or x != x else f"{x:10{spec}}"
+
+
 def timing_lines(a, b) -> list:
-    """Step and total time from the last training-step line, so that partial runs compare too."""
-    def last(run, i):
-        return run.train_steps[-1][i] if run.train_steps else float("nan")
+    """Final loss, times and memory side by side (n/a where a log does not say); an unfinished
+    run's time is what its last step line shows, so that partial runs compare too."""
+    def final(run):
+        return run.final_val_loss if run.finished else None
 
     lines = []
-    for label, i in (("step_avg (ms)", 2), ("train_time (ms)", 1)):
-        x, y = last(a, i), last(b, i)
-        ratio = f" ({(y - x) / x:+.1%})" if x else ""
-        lines.append(f"{label:<16} A {x:10.2f}   B {y:10.2f}   B-A {y - x:+10.2f}{ratio}")
-    for key, f in (("final_val_loss", ".4f"), ("tokens_per_s", ".0f"), ("compile_s", ".1f")):
-        if a.summary and b.summary:
-            x, y = a.summary[key], b.summary[key]
-            lines.append(f"{key:<16} A {x:10{f}}   B {y:10{f}}   B-A {y - x:+10{f}}")
+    for label, get, spec, ratio in (("final_val_loss", final, ".4f", False),
+                                    ("train_time (ms)", lambda r: r.train_time_ms, ".2f", True),
+                                    ("step_avg (ms)", lambda r: r.step_avg_ms, ".2f", True),
+                                    ("timed steps", lambda r: r.timed_steps, "d", False),
+                                    ("tokens_per_s", lambda r: r.tokens_per_s, ".0f", False),
+                                    ("compile_s", lambda r: r.compile_s, ".1f", False),
+                                    ("peak_memory (MiB)", lambda r: r.peak_memory_mib, ".0f", False)):
+        x, y = get(a), get(b)
+        line = f"{label:<17} A {_shown(x, spec)}   B {_shown(y, spec)}"
+        if x is not None and y is not None and x == x and y == y:
+            line += f"   B-A {y - x:+10{spec}}" + (f" ({(y - x) / x:+.1%})" if ratio and x else "")
+        lines.append(line)
+    for label, run in (("A", a), ("B", b)):
+        if run.layout == PYTORCH:
+            lines.append(f"clock of {label} (PyTorch): excludes validation and its first {run.untimed_steps} steps, "
+                         f"which include compilation")
+        elif PYTORCH in (a.layout, b.layout):
+            lines.append(f"clock of {label} (JAX): excludes validation; covers every step, compilation "
+                         f"happens before it (compile_s)")
     return lines
 
 
 def plot(a, b, path: str, baseline=None, baseline_name=""):
-    """Val loss against step and against training time; returns the figure. matplotlib is an
-    optional extra, imported here so that the text comparison works without it."""
+    """Val loss against step, fraction of training and training time; returns the figure.
+    matplotlib is an optional extra, imported here so that the text comparison works without it."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    curves = [(f"A: {os.path.basename(a.path)}", a.val_curve), (f"B: {os.path.basename(b.path)}", b.val_curve)]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    short = {OURS: "JAX", PYTORCH: "PyTorch"}
+    curves = [(f"{label}: {os.path.basename(r.path)} ({short[r.layout]})", r.val_curve, r.num_iterations)
+              for label, r in (("A", a), ("B", b))]
     if baseline:
-        curves.append((f"{baseline_name} (PyTorch, 8xH100)", baseline))
-    for label, curve in curves:
-        by_step.plot([s for s, _, _ in curve], [v for _, v, _ in curve], marker=".", label=label)
-        by_time.plot([t / 1000 for _, _, t in curve], [v for _, v, _ in curve], marker=".", label=label)
-    for ax, xlabel in ((by_step, "step"), (by_time, "training time (s)")):
+        curves.append((f"{baseline_name} (PyTorch, 8xH100)", baseline, baseline[-1][0]))
+    for label, curve, steps in curves:
+        losses = [v for _, v, _ in curve]
+        for ax, xs in zip(axes, ([s for s, _, _ in curve], [s / steps for s, _, _ in curve],
+                                 [t / 1000 for _, _, t in curve])):
+            ax.plot(xs, losses, marker=".", label=label)
+    for ax, xlabel in zip(axes, ("step", "fraction of training", "training time (s)")):
         ax.set_title(f"val loss vs {xlabel}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("val loss")
         ax.grid(alpha=0.3)
-    by_step.legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return fig
@@ -119,13 +211,20 @@ def main(argv=None) -> int:
             print(f"error: --plot needs matplotlib, an optional extra ({e}): pip install matplotlib", file=sys.stderr)
             return 2
     for label, run in (("A", a), ("B", b)):
-        partial = "" if run.status == "complete" else f" -- {run.status} at step {run.last_step}: partial curve"
-        print(f"{label}: {run.path} (preset {run.preset}, {run.hyperparameters.get('num_iterations')} steps){partial}")
+        partial = "" if run.finished else f" -- {run.status} at step {run.last_step}: partial curve"
+        print(f"{label}: {run.path} ({run.describe()}){partial}")
+    if a.digest == b.digest:
+        print("note: A and B are the same log")
     print()
-    for title, lines in (("source (train_gpt.py)", source_diff(a, b)),
-                         ("hyperparameters", hyperparameter_changes(a, b)),
-                         ("validation loss", curve_table(a, b, baseline, args.baseline)),
-                         ("timing", timing_lines(a, b))):
+    sections = [("source", source_diff(a, b)),
+                ("hyperparameters", hyperparameter_changes(a, b) if a.layout == b.layout
+                 else hyperparameter_pairs(a, b)),
+                ("validation loss at common steps", curve_table(a, b, baseline, args.baseline))]
+    if a.num_iterations != b.num_iterations:
+        sections.append((f"validation loss at common fractions of training (A {a.num_iterations} steps, "
+                         f"B {b.num_iterations}; linear between logged val steps)", fraction_table(a, b)))
+    sections.append(("timing", timing_lines(a, b)))
+    for title, lines in sections:
         print(f"== {title}")
         print("\n".join(lines) + "\n")
     if args.plot:

@@ -1,49 +1,113 @@
-"""Read the record logs that train_gpt.py writes (layout: README.md, "Record logs").
+"""Read record logs in either layout into one RunLog:
+
+- ours, written by train_gpt.py (README.md, "Record logs"): source, a line of 100 '=', environment,
+  '=', `Hyperparameters (preset NAME):` + JSON, '=', compile/step lines, `summary ...`, `run complete`;
+- the PyTorch speedrun's (KellerJordan/modded-nanogpt, records 18-22): source, '=', `Running Python`,
+  `Running PyTorch`, nvidia-smi, '=', step lines, `peak memory allocated: N MiB reserved: M MiB`.
+  Its hyperparameters are the defaults of the source's `Hyperparameters` dataclass, read with `ast`
+  (literals and simple arithmetic only; nothing is executed). Its clock restarts after the first
+  10 steps (they include compilation); the last val line's train_time is the record's time.
 
 parse_log(path) -> RunLog reads any log, finished or not; require_complete(run) raises LogError
 unless the run finished, because only finished runs have a final val loss and a total time.
 """
+import ast
 import dataclasses
+import hashlib
 import json
+import operator
 import re
 
 RULE = "=" * 100
+OURS, PYTORCH = "jax", "pytorch"
+LAYOUT_NAMES = {OURS: "JAX train_gpt.py log", PYTORCH: "PyTorch speedrun log"}
 VAL_LINE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) train_time:(\d+)ms step_avg:(\S+)ms$")
 TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(\S+)ms$")
 COMPILE_LINE = re.compile(r"^compile: ([0-9.]+)s")
 SUMMARY_FIELD = re.compile(r"(\w+):(\S+)")
+PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
 
 
 class LogError(ValueError):
-    """Not a usable train_gpt.py record log; the message names the file and says why."""
+    """Not a usable record log; the message names the file and says why."""
+
+
+class Expression(str):
+    """A PyTorch hyperparameter whose default is not a literal or simple arithmetic: kept as its
+    source text, never executed."""
+
+    def __repr__(self):
+        return f"<expression {str(self)}>"
 
 
 @dataclasses.dataclass
 class RunLog:
     path: str
-    source: str  # the embedded train_gpt.py, verbatim
-    environment: list  # Python/jax versions, devices, nvidia-smi output
-    preset: str
+    layout: str  # OURS or PYTORCH
+    source: str  # the embedded training script, verbatim
+    environment: list  # versions, devices, nvidia-smi output
     hyperparameters: dict
-    compile_s: float | None = None
+    digest: str  # sha256 of the file: the same log under two names is one run
+    preset: str | None = None  # ours only
+    compile_s: float | None = None  # ours only: compilation happens before our clock starts
     val_curve: list = dataclasses.field(default_factory=list)  # (step, val_loss, train_time_ms)
     train_steps: list = dataclasses.field(default_factory=list)  # (step, train_time_ms, step_avg_ms)
-    summary: dict = dataclasses.field(default_factory=dict)
+    total_steps: int | None = None  # M of the step lines' step:N/M
+    untimed_steps: int = 0  # PyTorch: steps before its clock restarted (they include compilation)
+    clock_ms: float | None = None  # train_time of the last step line, val or train
+    summary: dict = dataclasses.field(default_factory=dict)  # ours only
+    peak_memory_mib: float | None = None
     status: str = "truncated"  # complete | interrupted | stopped | truncated (killed, or still running)
     last_line: str = ""
 
     @property
+    def finished(self) -> bool:
+        return self.status == "complete"
+
+    @property
     def final_val_loss(self) -> float:
-        return self.summary["final_val_loss"]
+        return self.summary["final_val_loss"] if self.summary else self.val_curve[-1][1]
 
     @property
     def train_time_ms(self) -> float:
-        return self.summary["train_time_ms"]
+        """The total time of a finished run; of an unfinished one, the time its last step line shows."""
+        return self.summary["train_time_ms"] if self.summary else self.clock_ms
+
+    @property
+    def steps_done(self) -> int:
+        return max([s for s, *_ in self.train_steps], default=0)
+
+    @property
+    def timed_steps(self) -> int:
+        return self.steps_done - self.untimed_steps
+
+    @property
+    def step_avg_ms(self) -> float:
+        return self.train_time_ms / self.timed_steps if self.timed_steps > 0 and self.clock_ms is not None \
+            else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Training throughput on the run's own clock; None for a PyTorch log that names no batch size."""
+        if self.summary:
+            return self.summary["tokens_per_s"]
+        batch = self.hyperparameters.get("batch_size")
+        if not isinstance(batch, (int, float)) or not self.timed_steps or not self.clock_ms:
+            return None
+        return batch * self.timed_steps / (self.clock_ms / 1000)
 
     @property
     def last_step(self) -> int:
         """The last step the log reached (a training step done, or a validation at that step)."""
         return max([s for s, *_ in self.train_steps + self.val_curve], default=0)
+
+    @property
+    def num_iterations(self):
+        return self.total_steps or self.hyperparameters.get("num_iterations")
+
+    def describe(self) -> str:
+        preset = f", preset {self.preset}" if self.preset else ""
+        return f"{LAYOUT_NAMES[self.layout]}{preset}, {self.num_iterations or '?'} steps"
 
 
 def _number(text: str) -> float | None:
@@ -59,41 +123,141 @@ def _summary(fields: dict) -> dict:
             "peak_memory_mib": _number(fields["peak_memory"])}
 
 
+# ---- PyTorch hyperparameters: the dataclass defaults, evaluated without executing anything
+
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+class _NotSimple(Exception):
+    pass
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def simple_value(node: ast.AST):
+    """The value of a literal or of arithmetic over number literals (`48*1024`, `2**-3`, `-0.5`);
+    raises _NotSimple for anything else (names, calls, attributes...)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str, bool, type(None))):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = simple_value(node.operand)
+        if _is_number(value):
+            return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = simple_value(node.left), simple_value(node.right)
+        # a huge power (9**9**9) would hang the reader; hyperparameters never need one
+        if _is_number(left) and _is_number(right) and not (isinstance(node.op, ast.Pow) and abs(right) > 64):
+            try:
+                return _ARITHMETIC[type(node.op)](left, right)
+            except ArithmeticError:
+                pass
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [simple_value(e) for e in node.elts]
+    raise _NotSimple
+
+
+def dataclass_hyperparameters(source: str, path: str) -> dict:
+    """name -> default of each `name = value` / `name: type = value` line of the source's first
+    `class Hyperparameters` ({} if it has none); a default that is not simple stays an Expression."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        raise LogError(f"{path}: the embedded source is not valid Python (line {e.lineno}: {e.msg}); "
+                       f"was the log edited?") from None
+    cls = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters"), None)
+    hyperparameters = {}
+    for stmt in cls.body if cls else []:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            name = stmt.targets[0].id
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+            name = stmt.target.id
+        else:
+            continue
+        try:
+            hyperparameters[name] = simple_value(stmt.value)
+        except _NotSimple:
+            hyperparameters[name] = Expression(ast.get_source_segment(source, stmt.value))
+    return hyperparameters
+
+
+# ---- the reader
+
+def _looks_like_a_script(lines: list) -> bool:
+    first = next((line for line in lines if line.strip()), "")
+    return first.startswith(('"""', "'''", "#", "import ", "from "))
+
+
 def parse_log(path: str) -> RunLog:
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
+        with open(path, "rb") as f:
+            raw = f.read()
+        lines = raw.decode("utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise LogError(f"{path}: cannot read it as a text log ({e})") from None
     # The embedded source may contain anything, even a rule: the header starts at the first rule
-    # followed by "Running Python", and step lines are only looked for after the hyperparameters.
+    # followed by "Running Python", and step lines are only looked for after the header.
     starts = [i for i in range(len(lines) - 1) if lines[i] == RULE and lines[i + 1].startswith("Running Python")]
     if not starts:
-        raise LogError(f"{path} is not a train_gpt.py record log (no line of 100 '=' followed by "
-                       f"'Running Python ...' after the embedded source)")
+        if _looks_like_a_script(lines):
+            raise LogError(f"{path} is cut off inside its embedded source (no line of 100 '=' followed by "
+                           f"'Running Python ...' after it): the run was killed while writing its header, "
+                           f"or this is a script, not a record log")
+        raise LogError(f"{path} is not a record log of train_gpt.py or of the PyTorch speedrun (no line of "
+                       f"100 '=' followed by 'Running Python ...' after the embedded source)")
     env_start = starts[0] + 1
     rules = [i for i in range(env_start, len(lines)) if lines[i] == RULE]
-    if len(rules) < 2 or not lines[rules[0] + 1].startswith("Hyperparameters (preset "):
-        raise LogError(f"{path} is cut off in its header, before the end of the hyperparameters block: "
-                       f"the run wrote nothing else (killed at start?)")
-    preset = lines[rules[0] + 1].removeprefix("Hyperparameters (preset ").removesuffix("):")
-    try:
-        hyperparameters = json.loads("\n".join(lines[rules[0] + 2: rules[1]]))
-    except json.JSONDecodeError as e:
-        raise LogError(f"{path}: the hyperparameters block is not valid JSON ({e}); was the log edited?") from None
-    run = RunLog(path, "\n".join(lines[: starts[0]]) + "\n", lines[env_start: rules[0]], preset, hyperparameters)
-    for line in lines[rules[1] + 1:]:
+    env_end = rules[0] if rules else len(lines)
+    layout = PYTORCH if any(line.startswith("Running PyTorch") for line in lines[env_start:env_end]) else OURS
+    if not rules:
+        raise LogError(f"{path} is cut off in its header, in the environment block (no line of 100 '=' "
+                       f"after it): the run wrote nothing else (killed at start?)")
+    environment = lines[env_start:env_end]
+    while environment and not environment[-1].strip():  # nvidia-smi's own trailing newline
+        environment.pop()
+    digest = hashlib.sha256(raw).hexdigest()
+    if layout == PYTORCH:
+        # print(code) added a newline after the code's own final one: that blank line is not source
+        source = "\n".join(lines[: starts[0]])
+        run = RunLog(path, layout, source, environment, dataclass_hyperparameters(source, path), digest)
+        body = lines[env_end + 1:]
+    else:
+        if len(rules) < 2 or not lines[rules[0] + 1].startswith("Hyperparameters (preset "):
+            raise LogError(f"{path} is cut off in its header, before the end of the hyperparameters block: "
+                           f"the run wrote nothing else (killed at start?)")
+        try:
+            hyperparameters = json.loads("\n".join(lines[rules[0] + 2: rules[1]]))
+        except json.JSONDecodeError as e:
+            raise LogError(f"{path}: the hyperparameters block is not valid JSON ({e}); was the log edited?") from None
+        preset = lines[rules[0] + 1].removeprefix("Hyperparameters (preset ").removesuffix("):")
+        run = RunLog(path, layout, "\n".join(lines[: starts[0]]) + "\n", environment, hyperparameters, digest, preset)
+        body = lines[rules[1] + 1:]
+    _read_body(run, body)
+    return run
+
+
+def _read_body(run: RunLog, lines: list) -> None:
+    for line in lines:
         if m := VAL_LINE.match(line):
             run.val_curve.append((int(m[1]), float(m[3]), float(m[4])))
+            run.total_steps, run.clock_ms = int(m[2]), float(m[4])
         elif m := TRAIN_LINE.match(line):
+            if run.train_steps and float(m[3]) < run.train_steps[-1][1]:
+                run.untimed_steps = run.train_steps[-1][0]  # the PyTorch clock restarted after this step
             run.train_steps.append((int(m[1]), float(m[3]), float(m[4])))
+            run.total_steps, run.clock_ms = int(m[2]), float(m[3])
         elif m := COMPILE_LINE.match(line):
             run.compile_s = float(m[1])
+        elif m := PEAK_LINE.match(line):
+            run.peak_memory_mib = float(m[1])
         elif line.startswith("summary "):
             try:
                 run.summary = _summary(dict(SUMMARY_FIELD.findall(line)))
             except (KeyError, ValueError) as e:
-                raise LogError(f"{path}: malformed summary line ({e!r} in {line!r}); was the log edited?") from None
+                raise LogError(f"{run.path}: malformed summary line ({e!r} in {line!r}); was the log edited?") from None
+            run.peak_memory_mib = run.summary["peak_memory_mib"]
         elif line == "run complete":
             run.status = "complete"
         elif line.startswith("interrupted at step"):
@@ -102,16 +266,17 @@ def parse_log(path: str) -> RunLog:
             run.status = "stopped"
         if line:
             run.last_line = line
-    if run.status == "complete" and not run.summary:
-        raise LogError(f"{path} says 'run complete' but has no summary line; was the log edited?")
-    return run
+    if run.layout == PYTORCH and run.val_curve and run.val_curve[-1][0] == run.total_steps:
+        run.status = "complete"  # the last step's validation is the record's result
+    if run.layout == OURS and run.status == "complete" and not run.summary:
+        raise LogError(f"{run.path} says 'run complete' but has no summary line; was the log edited?")
 
 
 def require_complete(run: RunLog) -> RunLog:
     """Only finished runs have a final val loss and a total time to compare or test."""
-    if run.status != "complete":
-        N = run.hyperparameters.get("num_iterations", "?")
+    if not run.finished:
         how = "truncated: killed, or still running" if run.status == "truncated" else run.status
-        raise LogError(f"{run.path}: the run did not finish ({how}, at step {run.last_step}/{N}; last line: "
-                       f"{run.last_line!r}); only complete runs can be compared or tested")
+        raise LogError(f"{run.path}: the run did not finish ({how}, at step {run.last_step}/"
+                       f"{run.num_iterations or '?'}; last line: {run.last_line!r}); only complete runs can be "
+                       f"compared or tested")
     return run

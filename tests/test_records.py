@@ -1,7 +1,12 @@
-"""records/: the parser, compare and stats, on logs written with train_gpt.py's own log writer."""
+"""records/: the reader, compare and stats, on logs of the real trainer, on logs written here in
+train_gpt.py's layout (fast, for many curves), and on logs written here in the PyTorch speedrun's."""
+import ast
 import dataclasses
+import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,64 +18,264 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from scipy import stats as scipy_stats  # noqa: E402
 
-import train_gpt as tg  # noqa: E402
+import train_gpt as tg  # noqa: E402  (only for its Hyperparameters; the log lines are written here)
 from records import compare, stats  # noqa: E402
-from records.logs import LogError, parse_log, require_complete  # noqa: E402
+from records.logs import OURS, PYTORCH, Expression, LogError, parse_log, require_complete, simple_value  # noqa: E402
 
+RULE = "=" * 100
 HP = dataclasses.replace(tg.PRESETS["cpu"], num_iterations=40, val_loss_every=10)
 
 
+def val_line(step, N, loss, ms, timed=None):
+    """A val line as both speedruns print it; `timed` = steps the clock covers (None: all `step`)."""
+    timed = step if timed is None else timed
+    avg = ms / timed if timed else math.nan
+    return f"step:{step}/{N} val_loss:{loss:.4f} train_time:{ms:.0f}ms step_avg:{avg:.2f}ms"
+
+
+def train_line(step, N, ms, timed=None):
+    timed = step if timed is None else timed
+    return f"step:{step}/{N} train_time:{ms:.0f}ms step_avg:{ms / timed if timed else math.nan:.2f}ms"
+
+
+# ---- our layout, written here (README.md, "Record logs"); a test below checks it against train()'s
+
 def write_log(path, hp, val_losses, step_ms, end="complete"):
-    """A log as train() writes it: header, info and compile lines, a val line every val_loss_every
-    steps and at the end, a train line per step, then the summary and `run complete` (or, for
-    end="interrupted"/"stopped", the line train() writes when that happens half-way)."""
-    log = tg.RecordLog(str(path), quiet=True)
-    tg.log_header(log, hp, "cpu")
+    """Header, info and compile lines, a val line every val_loss_every steps and at the end, a
+    train line per step, then the summary and `run complete` (or, for end="interrupted"/"stopped",
+    the line train() writes when that happens half-way)."""
+    with open(tg.__file__) as f:
+        lines = [f.read().rstrip("\n"), RULE, "Running Python 3.11.9 (main) [GCC 12.2.0]",
+                 "Running jax 0.10.2 jaxlib 0.10.2 optax 0.2.5 numpy 2.2.6 on Linux-x86_64",
+                 "Devices: 1 x cpu (cpu) in 1 process(es)", "nvidia-smi: not available", RULE,
+                 "Hyperparameters (preset cpu):", json.dumps(dataclasses.asdict(hp), indent=1), RULE]
     N, every = hp.num_iterations, hp.val_loss_every
-    log.write(f"preset cpu: {N} steps x {hp.batch_size} tokens, 1 device(s); log {path}")
-    log.write("compile: 12.3s for the train and validation steps (persistent cache: off)")
+    lines += [f"preset cpu: {N} steps x {hp.batch_size} tokens, 1 device(s); log {path}",
+              "compile: 12.3s for the train and validation steps (persistent cache: off)"]
     train_ms, val = 0.0, iter(val_losses)
     for step in range(N + 1):
         if step == N or step % every == 0:
             val_loss = next(val)
-            log.write(tg.val_line(step, N, val_loss, train_ms))
+            lines.append(val_line(step, N, val_loss, train_ms))
         if step == N:
             break
         if step == N // 2 and end != "complete":
-            log.write({"interrupted": f"interrupted at step {step} (SIGINT)",
-                       "stopped": f"stopped: non-finite train loss nan at step {step}"}[end])
+            lines.append({"interrupted": f"interrupted at step {step} (SIGINT)",
+                          "stopped": f"stopped: non-finite train loss nan at step {step}"}[end])
             break
         train_ms += step_ms
-        log.write(tg.train_line(step + 1, N, train_ms))
+        lines.append(train_line(step + 1, N, train_ms))
     if end == "complete":
-        log.write(tg.summary_line({"final_val_loss": val_loss, "train_time_ms": train_ms, "step_avg_ms": train_ms / N,
-                                   "tokens_per_s": N * hp.batch_size / train_ms * 1000, "compile_s": 12.3,
-                                   "peak_memory_mib": None}))
-        log.write("run complete")
-    log.close()
+        lines += [f"summary final_val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms step_avg:{train_ms / N:.2f}ms "
+                  f"tokens_per_s:{N * hp.batch_size / train_ms * 1000:.0f} compile_s:12.3 peak_memory:n/a",
+                  "run complete"]
+    with open(path, "x") as f:
+        f.write("\n".join(lines) + "\n")
     return str(path)
 
 
-def random_curve(rng):
-    """Five decreasing val losses (steps 0, 10, 20, 30, 40)."""
-    return list(np.sort(rng.uniform(3, 10, 5))[::-1].round(4))
+def random_curve(rng, n=5):
+    """n decreasing val losses."""
+    return list(np.sort(rng.uniform(3, 10, n))[::-1].round(4))
 
+
+# ---- the PyTorch speedrun's layout (records 18-22), written here
+
+TORCH_HYPERPARAMETERS = """\
+    # data
+    train_files = "data/fineweb10B/fineweb_train_*.bin" # training shards
+    val_files = "data/fineweb10B/fineweb_val_*.bin" # validation shards
+    val_tokens = 10485760 # fixed, for comparable val losses
+    # optimization
+    batch_size = 8*64*1024 # tokens per step
+    num_iterations = {N} # steps
+    cooldown_frac = 0.4 # last part of training with a decaying lr
+    # evaluation and logging
+    val_loss_every = {every} # 0: only at the end
+    # implementation
+    seq_len = 64*1024 # tokens per GPU
+    save_checkpoint = False
+"""
+# the 2025-01-26 records: shorter sequences, more steps, and no batch size among the hyperparameters
+TORCH_0126_HYPERPARAMETERS = """\
+    train_files = "data/fineweb10B/fineweb_train_*.bin" # training shards
+    val_files = "data/fineweb10B/fineweb_val_*.bin" # validation shards
+    val_tokens = 10485760 # fixed
+    num_iterations = {N} # steps
+    cooldown_frac = 0.4 # lr decay
+    val_loss_every = {every} # 0: only at the end
+    seq_len = 48*1024 # tokens per GPU
+    save_checkpoint = False
+"""
+
+TORCH_SCRIPT = '''import os
+import sys
+with open(sys.argv[0]) as f:
+    code = f.read()  # logged below
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Hyperparameters:
+{hyperparameters}args = Hyperparameters()
+
+
+def print0(s):
+    with open(logfile, "a") as f:
+        print(s, file=f)
+
+
+print0(code)
+print0("=" * 100)
+print0(f"step:{{step}}/{{args.num_iterations}} train_time:{{t:.0f}}ms")
+'''
+
+NVIDIA_SMI = """Fri Jan 17 05:37:55 2025
++-----------------------------------------------------------+
+| NVIDIA-SMI 550.127.05    Driver Version: 550.127.05       |
+|===========================================================|
+|   0  NVIDIA H100 80GB HBM3   On  |   7746MiB /  81559MiB  |
++-----------------------------------------------------------+
+"""
+
+
+def torch_script(N=40, every=10, hyperparameters=TORCH_HYPERPARAMETERS):
+    return TORCH_SCRIPT.format(hyperparameters=hyperparameters.format(N=N, every=every))
+
+
+def write_torch_log(path, val_losses, N=40, every=10, step_ms=120.0, compile_ms=17000.0,
+                    hyperparameters=TORCH_HYPERPARAMETERS, end="complete"):
+    """A log as the PyTorch speedrun's script writes it: print(code), a rule, versions, nvidia-smi,
+    a rule, then step lines whose clock restarts after step 10 (the first steps include
+    compilation), val lines every `every` steps and at the end, and the peak memory. end: "complete",
+    or where the file is cut off: "source", "environment" or "mid_run" (inside a step line)."""
+    script = torch_script(N, every, hyperparameters)
+    text = (script + "\n" + RULE + "\nRunning Python 3.12.7 (main, Jan 17 2025, 03:57:17) [GCC 13.2.0]\n"
+            "Running PyTorch 2.7.0.dev20250110+cu126 compiled for CUDA 12.6\n" + NVIDIA_SMI + "\n" + RULE + "\n")
+    ms, val = 0.0, iter(val_losses)
+    for step in range(N + 1):
+        if step == 10:
+            ms = 0.0  # the speedrun's clock restarts here
+        timed = None if step <= 11 else step - 10 + 1  # its step_avg is nan until step 12
+        if step == N or step % every == 0:
+            text += val_line(step, N, next(val), ms, timed and timed - 1 or 0) + "\n"
+        if step == N:
+            break
+        ms += step_ms + (compile_ms if step == 0 else 0)
+        text += train_line(step + 1, N, ms, timed or 0) + "\n"
+    text += "peak memory allocated: 37653 MiB reserved: 39236 MiB\n"
+    cut = {"complete": len(text), "source": text.index("class Hyperparameters") + 30,
+           "environment": text.index("NVIDIA-SMI") + 5, "mid_run": text.index(f"step:{N // 2 + 1}/{N}") + 8}[end]
+    with open(path, "x") as f:
+        f.write(text[:cut])
+    return str(path)
+
+
+# ---- logs written by the real trainer: two tiny runs, once per module
+
+@pytest.fixture(scope="module")
+def real_logs(synthetic_shards, tmp_path_factory):
+    """Two complete logs of `train_gpt.py` (seeds 0 and 1) on tiny settings, run side by side."""
+    runs = []
+    for seed in (0, 1):
+        records = tmp_path_factory.mktemp(f"records_seed{seed}")
+        args = ["--preset", "cpu", "--seq-len", "128", "--batch-size", "1024", "--val-tokens", "2048",
+                "--num-iterations", "4", "--val-loss-every", "2", "--compile-cache-dir", "", "--seed", str(seed),
+                "--records-dir", str(records)] + [x for kv in synthetic_shards.items() for x in kv]
+        runs.append((records, subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"), *args], cwd=ROOT,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    logs = []
+    for records, proc in runs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        (log,) = records.iterdir()
+        logs.append(str(log))
+    return logs
+
+
+def test_the_real_trainers_log_parses(real_logs):
+    a, b = (require_complete(parse_log(p)) for p in real_logs)
+    with open(tg.__file__) as f:
+        assert a.source == f.read()
+    assert a.layout == OURS and a.preset == "cpu" and a.environment[0].startswith("Running Python")
+    assert (a.hyperparameters["seed"], b.hyperparameters["seed"]) == (0, 1)
+    assert a.hyperparameters.keys() == dataclasses.asdict(HP).keys()
+    assert [s for s, *_ in a.val_curve] == [0, 2, 4] and [s for s, *_ in a.train_steps] == [1, 2, 3, 4]
+    assert a.val_curve[0][1] == pytest.approx(np.log(50304), abs=1e-3)
+    assert a.final_val_loss == pytest.approx(a.val_curve[-1][1], abs=1e-4)
+    assert a.train_time_ms == pytest.approx(a.train_steps[-1][1], abs=1) and a.untimed_steps == 0
+    assert a.timed_steps == 4 and a.compile_s > 0 and a.num_iterations == 4
+
+
+def test_the_fixture_writer_matches_the_real_trainers_layout(real_logs, tmp_path):
+    """write_log (used for the many-curve tests) must not drift from what train() writes."""
+    def shape(path):
+        with open(path) as f:
+            lines = f.read().split("\n")
+        start = next(i for i, line in enumerate(lines) if line == RULE and lines[i + 1].startswith("Running Python"))
+        rules = [i for i in range(start + 1, len(lines)) if lines[i] == RULE]
+        kinds = []
+        for line in lines[rules[1] + 1:]:
+            kind = next((k for k, pattern in (("val", r"step:\d+/\d+ val_loss:"),
+                                              ("train", r"step:\d+/\d+ train_time:"), ("compile", r"compile: "),
+                                              ("summary", r"summary "), ("end", r"run complete$"))
+                         if re.match(pattern, line)), None)
+            if kind and kind not in kinds:
+                kinds.append(kind)
+        summary = next(line for line in lines if line.startswith("summary "))
+        return len(rules), lines[rules[0] + 1].split("(")[0], kinds, re.findall(r"(\w+):", summary)
+
+    ours = write_log(tmp_path / "fixture.txt", HP, random_curve(np.random.default_rng()), 100.0)
+    assert shape(real_logs[0]) == shape(ours)
+    assert shape(ours) == (2, "Hyperparameters ", ["compile", "val", "train", "summary", "end"],
+                           ["final_val_loss", "train_time", "step_avg", "tokens_per_s", "compile_s", "peak_memory"])
+
+
+def test_compare_and_stats_on_two_real_logs(real_logs, capsys):
+    a, b = (parse_log(p) for p in real_logs)
+    assert compare.main(real_logs) == 0
+    out = capsys.readouterr().out
+    assert "sources identical" in out and "seed: 0 -> 1" in out
+    for (s, x, _), (_, y, _) in zip(a.val_curve, b.val_curve):
+        assert f"{s:>6} {x:>8.4f} {y:>8.4f} {y - x:>+8.4f}" in out
+    assert stats.main(real_logs) == 0
+    out = capsys.readouterr().out
+    assert "runs: 2 (2 JAX train_gpt.py logs)" in out
+    assert f"mean {(a.final_val_loss + b.final_val_loss) / 2:.4f}" in out
+    assert stats.main([real_logs[0], real_logs[0]]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {real_logs[0]} is the same log as {real_logs[0]}: counted once" in out and "runs: 1 " in out
+
+
+def test_a_real_log_cut_inside_its_source_is_reported_as_cut_off(real_logs, tmp_path):
+    with open(real_logs[0]) as f:
+        text = f.read()
+    cut = tmp_path / "cut.txt"
+    cut.write_text(text[: text.index("def train(")])
+    with pytest.raises(LogError, match="is cut off inside its embedded source"):
+        parse_log(str(cut))
+
+
+# ---- our layout
 
 def test_parse_log_reads_what_the_writer_wrote(tmp_path):
     curve = random_curve(np.random.default_rng())
     run = require_complete(parse_log(write_log(tmp_path / "a.txt", HP, curve, 100.0)))
     with open(tg.__file__) as f:
         assert run.source == f.read()
-    assert run.environment[0].startswith("Running Python") and run.preset == "cpu"
+    assert run.environment[0].startswith("Running Python") and run.preset == "cpu" and run.layout == OURS
     assert run.hyperparameters == dataclasses.asdict(HP)
     assert run.val_curve == [(s, v, 100.0 * s) for s, v in zip(range(0, 41, 10), curve)]
     assert run.train_steps[-1] == (40, 4000.0, 100.0) and len(run.train_steps) == 40
-    assert run.compile_s == 12.3 and run.final_val_loss == curve[-1] and run.summary["peak_memory_mib"] is None
+    assert run.compile_s == 12.3 and run.final_val_loss == curve[-1] and run.peak_memory_mib is None
+    assert run.train_time_ms == 4000.0 and run.step_avg_ms == 100.0 and run.num_iterations == 40
 
 
 def test_a_rule_and_step_lines_inside_the_embedded_source_do_not_confuse_the_parser(tmp_path):
     good = write_log(tmp_path / "a.txt", HP, random_curve(np.random.default_rng()), 100.0)
-    fake = "\n".join([tg.RULE, "Hyperparameters (preset fake):", "{}", tg.RULE, tg.val_line(7, 9, 1.0, 5.0), ""])
+    fake = "\n".join([RULE, "Hyperparameters (preset fake):", "{}", RULE, val_line(7, 9, 1.0, 5.0), ""])
     with open(good) as f:
         text = f.read()
     (tmp_path / "b.txt").write_text(fake + text)
@@ -86,13 +291,14 @@ def test_compare_shows_the_changed_hyperparameter_and_curve_differences(tmp_path
     b = write_log(tmp_path / "b.txt", dataclasses.replace(HP, muon_lr=0.07), vb, step_ms=90.0)
     assert compare.main([a, b]) == 0
     out = capsys.readouterr().out
-    assert "sources identical" in out
+    assert "sources identical" in out and "at common fractions" not in out  # same step counts
     assert re.search(r"== hyperparameters\nmuon_lr: 0.05 -> 0.07\n\n", out)  # only the changed key
     for step, x, y in zip(range(0, 41, 10), va, vb):
         assert f"{step:>6} {x:>8.4f} {y:>8.4f} {round(y - x, 4):>+8.4f}" in out
-    assert "step_avg (ms)    A     100.00   B      90.00   B-A     -10.00 (-10.0%)" in out
-    assert "train_time (ms)  A    4000.00   B    3600.00   B-A    -400.00 (-10.0%)" in out
-    assert f"final_val_loss   A {va[-1]:10.4f}   B {vb[-1]:10.4f}" in out
+    assert "step_avg (ms)     A     100.00   B      90.00   B-A     -10.00 (-10.0%)" in out
+    assert "train_time (ms)   A    4000.00   B    3600.00   B-A    -400.00 (-10.0%)" in out
+    assert f"final_val_loss    A {va[-1]:10.4f}   B {vb[-1]:10.4f}" in out
+    assert "peak_memory (MiB) A        n/a   B        n/a\n" in out and "clock of" not in out
 
 
 def test_compare_diffs_the_embedded_sources(tmp_path, capsys):
@@ -109,7 +315,7 @@ def test_compare_diffs_the_embedded_sources(tmp_path, capsys):
 def test_compare_plot_is_a_png_with_both_runs_and_the_baseline(tmp_path, capsys):
     rng = np.random.default_rng()
     a = write_log(tmp_path / "a.txt", HP, random_curve(rng), 100.0)
-    b = write_log(tmp_path / "b.txt", HP, random_curve(rng), 100.0)
+    b = write_torch_log(tmp_path / "b.txt", random_curve(rng))
     out = tmp_path / "cmp.png"
     assert compare.main([a, b, "--plot", str(out), "--baseline", "record20"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -118,8 +324,10 @@ def test_compare_plot_is_a_png_with_both_runs_and_the_baseline(tmp_path, capsys)
     baseline = compare.load_baseline("record20")
     assert baseline[0] == (0, 10.8258, 0.0) and baseline[-1] == (1393, 3.2785, 179527.0) and len(baseline) == 13
     fig = compare.plot(parse_log(a), parse_log(b), str(out), baseline, "record20")
-    assert [len(ax.lines) for ax in fig.axes] == [3, 3]  # two runs and the baseline, in each panel
-    assert list(fig.axes[0].lines[0].get_ydata()) == [v for _, v, _ in parse_log(a).val_curve]
+    assert [len(ax.lines) for ax in fig.axes] == [3, 3, 3]  # two runs and the baseline, in each panel
+    assert list(fig.axes[0].lines[1].get_ydata()) == [v for _, v, _ in parse_log(b).val_curve]
+    assert list(fig.axes[1].lines[1].get_xdata()) == [s / 40 for s, _, _ in parse_log(b).val_curve]
+    assert "(PyTorch)" in fig.axes[0].lines[1].get_label() and "(JAX)" in fig.axes[0].lines[0].get_label()
 
 
 def test_compare_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
@@ -137,26 +345,188 @@ def test_compare_allow_incomplete_shows_the_partial_curve(tmp_path, capsys):
     assert compare.main([a, b, "--allow-incomplete"]) == 0
     out = capsys.readouterr().out
     assert "interrupted at step 20: partial curve" in out
-    table = out.split("== validation loss\n")[1].split("\n\n")[0].splitlines()
+    table = out.split("== validation loss at common steps\n")[1].split("\n\n")[0].splitlines()
     assert [int(row.split()[0]) for row in table[1:]] == [0, 10, 20]  # the common steps
+    assert "train_time (ms)   A    4000.00   B    2000.00" in out  # B's time when it stopped
 
 
-def stats_logs(tmp_path, losses, name="r"):
+# ---- the PyTorch layout
+
+def test_a_pytorch_log_reads_into_the_same_record(tmp_path):
+    curve = random_curve(np.random.default_rng())
+    run = require_complete(parse_log(write_torch_log(tmp_path / "t.txt", curve)))
+    assert run.layout == PYTORCH and run.preset is None and run.source == torch_script()
+    assert run.source.startswith("import os\n") and 'print0("=" * 100)' in run.source
+    assert run.environment[:2] == ["Running Python 3.12.7 (main, Jan 17 2025, 03:57:17) [GCC 13.2.0]",
+                                   "Running PyTorch 2.7.0.dev20250110+cu126 compiled for CUDA 12.6"]
+    assert run.environment[2:] == NVIDIA_SMI.rstrip("\n").split("\n")  # its |===| line is no rule
+    assert run.hyperparameters == {
+        "train_files": "data/fineweb10B/fineweb_train_*.bin", "val_files": "data/fineweb10B/fineweb_val_*.bin",
+        "val_tokens": 10485760, "batch_size": 524288, "num_iterations": 40, "cooldown_frac": 0.4,
+        "val_loss_every": 10, "seq_len": 65536, "save_checkpoint": False}
+    # the clock: steps 1-10 include compilation, then it restarts; 30 timed steps of 120 ms
+    assert run.train_steps[9][:2] == (10, 18200.0) and math.isnan(run.train_steps[9][2])
+    assert run.train_steps[10][:2] == (11, 120.0) and run.untimed_steps == 10 and run.timed_steps == 30
+    assert [(s, v) for s, v, _ in run.val_curve] == list(zip(range(0, 41, 10), curve))
+    assert [t for _, _, t in run.val_curve] == [0.0, 0.0, 1200.0, 2400.0, 3600.0]
+    assert run.final_val_loss == curve[-1] and run.train_time_ms == 3600.0 and run.step_avg_ms == 120.0
+    assert run.peak_memory_mib == 37653 and run.compile_s is None and run.num_iterations == 40
+    assert run.tokens_per_s == pytest.approx(30 * 524288 / 3.6)
+    assert run.last_line == "peak memory allocated: 37653 MiB reserved: 39236 MiB"
+
+
+@pytest.mark.parametrize("end, message", [
+    ("source", "is cut off inside its embedded source"),
+    ("environment", "is cut off in its header, in the environment block"),
+])
+def test_a_pytorch_log_cut_off_in_its_header_is_rejected(tmp_path, capsys, end, message):
+    good = write_torch_log(tmp_path / "good.txt", random_curve(np.random.default_rng()))
+    bad = write_torch_log(tmp_path / "bad.txt", random_curve(np.random.default_rng()), end=end)
+    with pytest.raises(LogError, match=message):
+        parse_log(bad)
+    for tool in (compare.main, stats.main):
+        assert tool([good, bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {bad}") and message in err
+
+
+def test_a_pytorch_log_cut_off_mid_run_is_unfinished(tmp_path, capsys):
+    rng = np.random.default_rng()
+    good = write_torch_log(tmp_path / "good.txt", random_curve(rng))
+    bad = write_torch_log(tmp_path / "bad.txt", random_curve(rng), end="mid_run")
+    run = parse_log(bad)
+    assert run.status == "truncated" and run.last_line == "step:21/" and run.last_step == 20
+    assert run.train_time_ms == 1200.0 and run.timed_steps == 10 and run.peak_memory_mib is None
+    with pytest.raises(LogError, match=r"did not finish \(truncated: killed, or still running, at step 20/40"):
+        require_complete(run)
+    assert compare.main([good, bad, "--allow-incomplete"]) == 0
+    assert "truncated at step 20: partial curve" in capsys.readouterr().out
+
+
+def random_arithmetic(rng, depth=3):
+    if depth == 0 or rng.random() < 0.3:
+        return str(rng.integers(1, 100)) if rng.random() < 0.6 else f"{rng.uniform(0.01, 10):.3f}"
+    op = rng.choice(["+", "-", "*", "/", "//", "%", "**"])
+    left = random_arithmetic(rng, depth - 1)
+    right = str(rng.integers(0, 3)) if op == "**" else random_arithmetic(rng, depth - 1)
+    return f"{'-' if rng.random() < 0.2 else ''}({left} {op} {right})"
+
+
+def test_hyperparameter_arithmetic_matches_python_on_random_expressions():
+    rng = np.random.default_rng()
+    for _ in range(300):
+        text = random_arithmetic(rng)
+        try:
+            expected = eval(text)  # our own generated arithmetic: the independent reference
+        except ZeroDivisionError:
+            continue
+        assert simple_value(ast.parse(text, mode="eval").body) == expected, text
+
+
+def test_pytorch_hyperparameters_are_read_without_executing_anything(tmp_path):
+    marker = tmp_path / "executed"
+    lines = ("    seq_len = 48*1024 # FlexAttention sequence length\n"
+             "    lr: float = -2**-3 # annotated\n"
+             "    betas = (0.8, 0.95)\n"
+             "    num_iterations = 1750 + 20\n"
+             f"    hook = __import__('os').system('touch {marker}') # not a literal: kept as text\n"
+             "    big = 9**9**9 # would take forever\n"
+             "    def __post_init__(self):\n"
+             "        self.x = 1\n")
+    run = parse_log(write_torch_log(tmp_path / "t.txt", random_curve(np.random.default_rng()),
+                                    hyperparameters=lines))
+    hp = run.hyperparameters
+    assert (hp["seq_len"], hp["lr"], hp["betas"], hp["num_iterations"]) == (49152, -0.125, [0.8, 0.95], 1770)
+    assert isinstance(hp["hook"], Expression) and hp["hook"] == f"__import__('os').system('touch {marker}')"
+    assert isinstance(hp["big"], Expression) and "x" not in hp and not marker.exists()
+
+
+def test_compare_ours_with_a_pytorch_log(tmp_path, capsys):
+    rng = np.random.default_rng()
+    va, vb = random_curve(rng), random_curve(rng)
+    a = write_log(tmp_path / "a.txt", HP, va, 100.0)
+    b = write_torch_log(tmp_path / "b.txt", vb)
+    assert compare.main([a, b]) == 0
+    out = capsys.readouterr().out
+    assert f"A: {a} (JAX train_gpt.py log, preset cpu, 40 steps)\nB: {b} (PyTorch speedrun log, 40 steps)\n" in out
+    assert "not diffed: A is a JAX train_gpt.py log, B a PyTorch speedrun log (different languages)" in out
+    assert "num_iterations: A 40, B 40\n" in out and "batch_size: A 2048, B 524288  <- differs\n" in out
+    assert "seq_len: A 512, B 65536  <- differs\n" in out and "vocab_size: A 50257, B (absent)\n" in out
+    assert "val_files: A 'data/fineweb10B/fineweb_val_*.bin', B 'data/fineweb10B/fineweb_val_*.bin'\n" in out
+    assert "only in B (no counterpart): save_checkpoint\n" in out and "only in A (no counterpart): fp8_head," in out
+    for step, x, y in zip(range(0, 41, 10), va, vb):
+        assert f"{step:>6} {x:>8.4f} {y:>8.4f} {round(y - x, 4):>+8.4f}" in out
+    assert "at common fractions" not in out
+    assert f"final_val_loss    A {va[-1]:10.4f}   B {vb[-1]:10.4f}" in out
+    assert "train_time (ms)   A    4000.00   B    3600.00   B-A    -400.00 (-10.0%)" in out
+    assert "timed steps       A         40   B         30   B-A        -10" in out
+    assert "compile_s         A       12.3   B        n/a\n" in out
+    assert "peak_memory (MiB) A        n/a   B      37653\n" in out
+    assert "clock of B (PyTorch): excludes validation and its first 10 steps, which include compilation" in out
+    assert "clock of A (JAX): excludes validation; covers every step" in out
+
+
+def test_compare_runs_of_different_lengths_at_common_fractions(tmp_path, capsys):
+    """Against a 2025-01-26-style log: 1770 steps, seq_len 48*1024, no batch size."""
+    rng = np.random.default_rng()
+    va, vb = random_curve(rng), random_curve(rng, 16)  # val at 0, 125, ..., 1750 and 1770
+    a = write_log(tmp_path / "a.txt", HP, va, 100.0)
+    b = write_torch_log(tmp_path / "b.txt", vb, N=1770, every=125, hyperparameters=TORCH_0126_HYPERPARAMETERS)
+    assert compare.main([a, b]) == 0
+    out = capsys.readouterr().out
+    assert "batch_size: A 2048, B (absent)\n" in out and "seq_len: A 512, B 49152  <- differs\n" in out
+    assert "num_iterations: A 40, B 1770  <- differs\n" in out
+    assert "tokens_per_s      A      20480   B        n/a\n" in out  # B names no batch size
+    assert "== validation loss at common steps\n  step" in out and f"     0 {va[0]:>8.4f} {vb[0]:>8.4f}" in out
+    table = out.split("at common fractions of training (A 40 steps, B 1770; linear between logged val steps)\n")[1]
+    rows = table.split("\n\n")[0].splitlines()[1:]
+    b_steps = [0] + list(range(125, 1770, 125)) + [1770]
+    assert len(rows) == 11
+    for i, row in enumerate(rows):
+        f = i / 10
+        x, y = np.interp(f * 40, range(0, 41, 10), va), np.interp(f * 1770, b_steps, vb)
+        assert row.split() == [f"{f:.1f}", f"{f * 40:.0f}", f"{x:.4f}", f"{f * 1770:.0f}", f"{y:.4f}", f"{y - x:+.4f}"]
+
+
+def test_compare_two_pytorch_logs_diffs_their_sources(tmp_path, capsys):
+    rng = np.random.default_rng()
+    a = write_torch_log(tmp_path / "a.txt", random_curve(rng))
+    b = write_torch_log(tmp_path / "b.txt", random_curve(rng, 16), N=1770, every=125,
+                        hyperparameters=TORCH_0126_HYPERPARAMETERS)
+    assert compare.main([a, b]) == 0
+    out = capsys.readouterr().out
+    assert "\n-    batch_size = 8*64*1024 # tokens per step\n" in out
+    assert "\n+    seq_len = 48*1024 # tokens per GPU\n" in out
+    assert "batch_size: 524288 -> (absent)\n" in out and "num_iterations: 40 -> 1770\n" in out
+    assert "seq_len: 65536 -> 49152\n" in out and "clock of A (PyTorch)" in out and "clock of B (PyTorch)" in out
+
+
+# ---- stats
+
+def stats_logs(tmp_path, losses, name="r", writer="ours"):
     """One complete log per final loss."""
-    return [write_log(tmp_path / f"{name}{i}.txt", HP, [10.8, 5, 4, 3.5, x], 100.0 + i) for i, x in enumerate(losses)]
+    if writer == "ours":
+        return [write_log(tmp_path / f"{name}{i}.txt", HP, [10.8, 5, 4, 3.5, x], 100.0 + i)
+                for i, x in enumerate(losses)]
+    return [write_torch_log(tmp_path / f"{name}{i}.txt", [10.8, 5, 4, 3.5, x], step_ms=120.0 + i)
+            for i, x in enumerate(losses)]
 
 
-def test_stats_textbook_t_test(tmp_path, capsys):
+@pytest.mark.parametrize("writer", ["ours", "pytorch"])
+def test_stats_textbook_t_test(tmp_path, capsys, writer):
     # by hand: mean 3.2776, squared deviations sum 23.2e-6, s = sqrt(23.2e-6 / 4) = 0.0024083,
     # t = (3.2776 - 3.28) / (s / sqrt 5) = -2.2284 with 4 degrees of freedom
     losses = [3.276, 3.279, 3.277, 3.281, 3.275]
-    assert stats.main(stats_logs(tmp_path, losses)) == 0
+    assert stats.main(stats_logs(tmp_path, losses, writer=writer)) == 0
     out = capsys.readouterr().out
     p = scipy_stats.t.cdf(-2.2284, 4)
-    assert "runs: 5" in out and "mean 3.2776  std 0.0024" in out and "training time:  mean 4.08s  std 0.06s" in out
+    kind = {"ours": "JAX train_gpt.py logs", "pytorch": "PyTorch speedrun logs"}[writer]
+    # PyTorch: 30 timed steps of 120..124 ms; ours: 40 steps of 100..104 ms
+    time = {"ours": "mean 4.08s  std 0.06s", "pytorch": "mean 3.66s  std 0.05s"}[writer]
+    assert f"runs: 5 (5 {kind})" in out and "mean 3.2776  std 0.0024" in out and f"training time:  {time}" in out
     assert f"t = -2.228, df = 4, p = {p:.3g}" in out and 0.04 < p < 0.05
-    assert "record claim does NOT hold at p<0.01" in out and "not significantly" in out
-    assert stats.main(stats_logs(tmp_path, losses, "again") + ["--alpha", "0.05"]) == 0
+    assert "record claim does NOT hold at p<0.01" in out and "not significantly" in out and "note:" not in out
+    assert stats.main(stats_logs(tmp_path, losses, "again", writer) + ["--alpha", "0.05"]) == 0
     assert "record claim holds at p<0.05" in capsys.readouterr().out
 
 
@@ -186,10 +556,11 @@ def test_stats_claim_line_only_when_significant(tmp_path, capsys):
 
 def test_stats_without_scipy_gives_t_but_no_claim(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy", None)  # makes `from scipy import stats` raise ImportError
-    assert stats.main(stats_logs(tmp_path, [3.276, 3.279, 3.277, 3.281, 3.275])) == 0
+    ours = stats_logs(tmp_path, [3.276, 3.279, 3.277, 3.281, 3.275])
+    assert stats.main(ours + ["--against"] + stats_logs(tmp_path, [3.28, 3.281], "t", "pytorch")) == 0
     out = capsys.readouterr().out
     assert "t = -2.228 (df 4); the p-value, and so the record claim, needs scipy: pip install scipy" in out
-    assert "record claim holds" not in out
+    assert "record claim holds" not in out and "the p-value needs scipy" in out and "below the --against" not in out
 
 
 def test_stats_notes_runs_of_different_configurations(tmp_path, capsys):
@@ -200,7 +571,72 @@ def test_stats_notes_runs_of_different_configurations(tmp_path, capsys):
     assert "note: the runs differ in hyperparameters (muon_lr)" in capsys.readouterr().out
     stats.main(logs[:2])
     assert "note:" not in capsys.readouterr().out  # the seed may differ
+    torch_logs = stats_logs(tmp_path, [3.28, 3.27, 3.29], "t", "pytorch")
+    assert stats.main(logs[:2] + torch_logs) == 0
+    out = capsys.readouterr().out
+    assert "runs: 5 (2 JAX train_gpt.py logs, 3 PyTorch speedrun logs)" in out
+    assert "note: the runs differ in language (2 JAX train_gpt.py logs, 3 PyTorch speedrun logs)" in out
 
+
+def test_stats_welch_test_of_our_runs_against_a_pytorch_record(tmp_path, capsys):
+    rng = np.random.default_rng()
+    ours = list((3.2760 + rng.normal(0, 0.002, 6)).round(4))
+    theirs = list((3.2788 + rng.normal(0, 0.0015, 9)).round(4))
+    assert stats.main(stats_logs(tmp_path, ours) + ["--against"] + stats_logs(tmp_path, theirs, "t", "pytorch")) == 0
+    out = capsys.readouterr().out
+    va, vb = np.var(ours, ddof=1) / 6, np.var(theirs, ddof=1) / 9
+    t = (np.mean(ours) - np.mean(theirs)) / np.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / 5 + vb**2 / 8)
+    p = scipy_stats.t.cdf(t, df)
+    assert "--against runs: 9 (9 PyTorch speedrun logs)" in out and "runs: 6 (6 JAX train_gpt.py logs)" in out
+    assert f"mean {np.mean(theirs):.4f}" in out
+    assert f"Welch's t-test, H1: mean final val loss of the runs < that of the --against runs: t = {t:.3f}, " \
+           f"df = {df:.1f}, p = {p:.3g}" in out
+    assert ("is below the --against runs' at p<0.01" in out) == (p < 0.01)
+    assert ("is NOT shown below" in out) == (p >= 0.01)
+
+
+def test_stats_welch_claims_only_what_the_data_show(tmp_path, capsys):
+    low, high = [3.270, 3.271, 3.272, 3.270], [3.280, 3.281, 3.279, 3.282]
+    stats.main(stats_logs(tmp_path, low, "a") + ["--against"] + stats_logs(tmp_path, high, "b", "pytorch"))
+    assert "the runs' mean final val loss is below the --against runs' at p<0.01" in capsys.readouterr().out
+    stats.main(stats_logs(tmp_path, high, "c") + ["--against"] + stats_logs(tmp_path, low, "d", "pytorch"))
+    assert "NOT shown below the --against runs' at p<0.01" in capsys.readouterr().out
+    stats.main(stats_logs(tmp_path, low, "e") + ["--against"] + stats_logs(tmp_path, [3.28], "f", "pytorch"))
+    assert "Welch's t-test needs at least 2 runs in each group" in capsys.readouterr().out
+
+
+def test_stats_the_same_log_twice_counts_once(tmp_path, capsys):
+    logs = stats_logs(tmp_path, [3.276, 3.279, 3.277])
+    shutil.copy(logs[0], tmp_path / "copy.txt")
+    assert stats.main(logs + [logs[1], str(tmp_path / "copy.txt")]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {logs[1]} is the same log as {logs[1]}: counted once" in out
+    assert f"note: {tmp_path / 'copy.txt'} is the same log as {logs[0]}: counted once" in out
+    assert "runs: 3 " in out and "df = 2" in out
+    assert stats.main(logs[:2] + ["--against", logs[1], logs[2]]) == 2
+    assert f"error: {logs[1]} is both among the runs and in --against" in capsys.readouterr().err
+
+
+def test_stats_skip_incomplete_says_what_it_skipped(tmp_path, capsys):
+    rng = np.random.default_rng()
+    logs = stats_logs(tmp_path, [3.276, 3.279, 3.277])
+    cut = write_torch_log(tmp_path / "cut.txt", random_curve(rng), end="mid_run")
+    stopped = write_log(tmp_path / "stopped.txt", HP, random_curve(rng), 100.0, end="stopped")
+    assert stats.main(logs + [cut]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {cut}: the run did not finish")
+    assert "(--skip-incomplete leaves unfinished runs out)" in err
+    assert stats.main(logs + [cut, stopped, "--skip-incomplete"]) == 0
+    out = capsys.readouterr().out
+    assert f"skipped {cut}: the run did not finish (truncated at step 20/40)" in out
+    assert f"skipped {stopped}: the run did not finish (stopped at step 20/40)" in out
+    assert "runs: 3 (3 JAX train_gpt.py logs)" in out and "df = 2" in out
+    assert stats.main([cut, stopped, "--skip-incomplete"]) == 2
+    assert "no finished run among" in capsys.readouterr().err
+
+
+# ---- bad input, scripts
 
 def bad_log(tmp_path, kind):
     """A file that is not a usable log, and what its error message must say."""
@@ -215,23 +651,35 @@ def bad_log(tmp_path, kind):
         write_log(bad, HP, random_curve(rng), 100.0, end=kind)
     elif kind == "truncated":  # killed mid-line
         bad.write_text(text[: text.index("step:25/40") + 8])
+    elif kind == "cut_in_source":
+        bad.write_text(text[: text.index("def train(")])
+    elif kind == "cut_in_environment":
+        bad.write_text(text[: text.index("Devices: 1 x")])
     elif kind == "cut_in_header":
         bad.write_text(text[: text.rindex("Hyperparameters (preset") + 40])
     elif kind == "bad_json":
         bad.write_text(text.replace('"muon_lr": 0.05,', '"muon_lr": 0.05,,'))
+    elif kind == "bad_torch_source":
+        write_torch_log(bad, random_curve(rng), hyperparameters="    x = (1,\n")
     return good, str(bad), {
-        "not_a_log": "is not a train_gpt.py record log",
+        "not_a_log": "is not a record log of train_gpt.py or of the PyTorch speedrun",
         "interrupted": r"did not finish \(interrupted, at step 20/40; last line: 'interrupted at step 20 \(SIGINT\)'\)",
         "stopped": r"did not finish \(stopped, at step 20/40; last line: 'stopped: non-finite train loss nan",
         "truncated": r"did not finish \(truncated: killed, or still running, at step 24/40; last line: 'step:25/'\)",
-        "cut_in_header": "cut off in its header",
+        "cut_in_source": "is cut off inside its embedded source",
+        "cut_in_environment": "is cut off in its header, in the environment block",
+        "cut_in_header": "cut off in its header, before the end of the hyperparameters block",
         "bad_json": "hyperparameters block is not valid JSON",
+        "bad_torch_source": r"the embedded source is not valid Python \(line \d+: ",
     }[kind]
 
 
-@pytest.mark.parametrize("kind", ["not_a_log", "truncated", "interrupted", "stopped", "cut_in_header", "bad_json"])
+@pytest.mark.parametrize("kind", ["not_a_log", "truncated", "interrupted", "stopped", "cut_in_source",
+                                  "cut_in_environment", "cut_in_header", "bad_json", "bad_torch_source"])
 def test_bad_logs_are_rejected_with_a_message_and_exit_code_2(tmp_path, capsys, kind):
     good, bad, message = bad_log(tmp_path, kind)
+    with open(good) as f:
+        before = f.read()
     for tool in (lambda: compare.main([good, bad]), lambda: stats.main([good, bad])):
         assert tool() == 2
         err = capsys.readouterr().err
@@ -240,11 +688,17 @@ def test_bad_logs_are_rejected_with_a_message_and_exit_code_2(tmp_path, capsys, 
             assert "only complete runs can be compared or tested" in err
     with pytest.raises(LogError, match=message):
         require_complete(parse_log(bad))
+    with open(good) as f:
+        assert f.read() == before  # the tools only read
 
 
-def test_the_tools_run_as_scripts_from_the_repo_root(tmp_path):
+def test_the_tools_run_as_scripts_from_the_repo_root_without_jax(tmp_path):
     good, bad, _ = bad_log(tmp_path, "interrupted")
     ok = subprocess.run([sys.executable, "records/compare.py", good, good], cwd=ROOT, capture_output=True, text=True)
-    assert ok.returncode == 0 and "sources identical" in ok.stdout
+    assert ok.returncode == 0 and "sources identical" in ok.stdout and "note: A and B are the same log" in ok.stdout
     fail = subprocess.run([sys.executable, "records/stats.py", good, bad], cwd=ROOT, capture_output=True, text=True)
     assert fail.returncode == 2 and "interrupted" in fail.stderr and "Traceback" not in fail.stderr
+    probe = ("import sys; sys.argv = ['x', sys.argv[1], sys.argv[1]]; import records.compare as c, records.stats as s; "
+             "c.main(); s.main(); assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
+    nojax = subprocess.run([sys.executable, "-c", probe, good], cwd=ROOT, capture_output=True, text=True)
+    assert nojax.returncode == 0, nojax.stderr

@@ -1,0 +1,691 @@
+"""GPU test lane: what only a GPU can show. Skipped unless `jax.default_backend() == "gpu"`.
+
+    python3 -m pytest -q tests/test_gpu.py
+
+Three kinds of case, each run by `python tests/test_gpu.py CASE ...` in its own process, so a CUDA
+fault in one (CUDA_ERROR_ILLEGAL_INSTRUCTION, a segfault) fails that test with the child's output
+tail and leaves the others running:
+
+  train PRESET T DIR       train() on PRESET with batch = seq_len = T for 3 steps on the shards in
+                           DIR/shards, validating at steps 0 and 3 (record: windows 1 and 14); by hand,
+                           write them first: python data/synthetic.py --out DIR/shards --train-tokens
+                           327680 --val-tokens 131072
+  hlo PRESET T FILE        the compiled train step's HLO text, written to FILE
+  attention IMPL W T       tg.ATTENTION[IMPL] forward and gradients at T tokens, window W, against a
+                           dense fp32 reference on 4 query blocks
+
+e.g. `python tests/test_gpu.py attention xla 14 65536`; the last line printed is `RESULT {json}`.
+Bisecting a crash: the children inherit the environment, so XLA_FLAGS (`--xla_dump_to=DIR`,
+`--xla_gpu_enable_triton_gemm=false`, `--xla_gpu_autotune_level=0`, ...), CUDA_LAUNCH_BLOCKING=1
+or JAX_* settings given to pytest apply to every case. GPU_LANE_TIMEOUT (seconds, default 900)
+bounds each child.
+
+GPU_LANE_ON_CPU=1 dry-runs the lane's logic on CPU at small shapes (cpu preset with T = 1,024 for
+training; T = 4,096 for attention, so that window 14 does not cover the whole sequence). XLA:CPU
+has no FP8 GEMM, so there the HLO case asserts the opposite: the checker rejects every head matmul
+(f8 upcast to f32). Not part of CI.
+
+The HLO checker (fp8_gemm_problems and its parser) is pure text processing; its unit tests below run
+everywhere, on hand-written HLO in the formats XLA prints.
+"""
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # a case runs as `python tests/test_gpu.py`, outside pytest
+# The cases get the environment as given (XLA_FLAGS, ...), and unbuffered output that survives a crash.
+CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+if __name__ != "__main__":  # pytest only asks for the backend's name: it leaves the GPU memory to the cases
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+BACKEND = jax.default_backend()  # decided once, at import: the skip costs nothing more
+ON_GPU = BACKEND == "gpu"
+LANE = ON_GPU or os.environ.get("GPU_LANE_ON_CPU") == "1"
+PRESET, TRAIN_T, ATTENTION_T = ("record", 65536, 65536) if ON_GPU else ("cpu", 1024, 4096)
+TIMEOUT = int(os.environ.get("GPU_LANE_TIMEOUT", "900"))
+PADDED_VOCAB = 50304  # the head's rows: a matmul with this dimension is a head matmul
+
+lane = pytest.mark.skipif(not LANE, reason=f"GPU lane: JAX backend is {BACKEND}, not gpu")
+
+# Tolerances of the attention case, as max|impl - ref| / max|ref|. The implementation takes bf16
+# q, k, v and returns bf16: rounding the output alone costs up to 2^-8 = 0.4% of an element; the
+# probabilities are rounded to bf16 before p·v (0.4% per term, averaging out over the keys), with
+# fp32 softmax and accumulation. Gradients also round dS = P·(dP − Δ) to bf16 after a cancellation
+# (dP − Δ), so their error is larger. Measured on CPU (T = 4,096): 0.2-0.3% outputs, 0.3-0.6%
+# gradients, so 2e-2 / 5e-2 leave margins of 5x or more. A leaked document or a window-1 mask off by
+# a block gives errors of order 1; window 14 off by one block gives about 5% (1 block in 15).
+OUT_TOL, GRAD_TOL = 2e-2, 5e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a case in a child process
+
+
+def run_case(*args):
+    """Run `python tests/test_gpu.py ARGS` and return the JSON of its `RESULT` line.
+
+    Fails with the child's exit status (or signal) and the tail of its output when it does not
+    finish cleanly."""
+    cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), *map(str, args)]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        out, err = ((b or b"").decode(errors="replace") for b in (e.stdout, e.stderr))  # bytes, even with text=True
+        pytest.fail(f"case {args} ran past GPU_LANE_TIMEOUT={TIMEOUT}s\n{tails(out, err)}")
+    if p.returncode != 0:
+        how = f"signal {signal.Signals(-p.returncode).name}" if p.returncode < 0 else f"exit code {p.returncode}"
+        pytest.fail(f"case {args} failed with {how}\n{tails(p.stdout, p.stderr)}")
+    results = [line[len("RESULT "):] for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, f"case {args} printed no RESULT line\n{tails(p.stdout, p.stderr)}"
+    return json.loads(results[-1])
+
+
+def tails(out: str, err: str, n: int = 6000) -> str:
+    return f"--- stdout (last {n} chars) ---\n{out[-n:]}\n--- stderr (last {n} chars) ---\n{err[-n:]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) Training: record preset, one 65,536-token sequence per step, 3 steps, validation at 0 and 3
+
+
+@lane
+def test_train_three_steps_validates_before_and_after_with_a_complete_log(tmp_path):
+    from data.synthetic import write_synthetic_shards
+    from records.logs import parse_log
+
+    T = TRAIN_T
+    write_synthetic_shards(str(tmp_path / "shards"), seed=1, train_tokens=5 * T, val_tokens=2 * T, shard_tokens=5 * T)
+    result = run_case("train", PRESET, T, tmp_path)
+
+    if PRESET == "record":
+        assert result["windows"] == [1, 5, 9, 14]  # the step-3 validation runs at the full window
+    run = parse_log(result["log"])
+    assert run.status == "complete", run.last_line
+    assert run.preset == PRESET
+    hp = run.hyperparameters
+    assert (hp["batch_size"], hp["seq_len"], hp["val_tokens"], hp["num_iterations"]) == (T, T, T, 3)
+    assert [s for s, *_ in run.val_curve] == [0, 3]
+    assert [s for s, *_ in run.train_steps] == [1, 2, 3]
+    losses = [loss for _, loss, _ in run.val_curve]
+    assert all(math.isfinite(x) for x in losses), losses
+    # step 0 is the untrained model: the zero head gives uniform logits, loss ln(50304)
+    assert abs(losses[0] - math.log(PADDED_VOCAB)) < 1e-2, losses
+    assert losses[1] < losses[0], losses  # 3 steps already learn something (cpu lane: 10.83 -> 9.97)
+    assert run.final_val_loss == pytest.approx(losses[-1], abs=1e-4)
+    assert result["final_val_loss"] == pytest.approx(run.final_val_loss, abs=1e-4)
+    assert run.train_time_ms > 0 and run.compile_s is not None
+    with open(os.path.join(ROOT, "train_gpt.py")) as f:
+        assert run.source == f.read()
+
+
+def case_train(preset: str, T: int, out_dir: str) -> dict:
+    import train_gpt as tg
+
+    hp = dataclasses.replace(
+        tg.PRESETS[preset], batch_size=T, seq_len=T, val_tokens=T, num_iterations=3, val_loss_every=3,
+        train_files=os.path.join(out_dir, "shards", "synthetic_train_*.bin"),
+        val_files=os.path.join(out_dir, "shards", "synthetic_val_*.bin"),
+        records_dir=os.path.join(out_dir, "records"), compile_cache_dir="",
+    )
+    windows = [tg.window_blocks(step, hp) for step in range(hp.num_iterations + 1)]
+    print(f"long windows at steps 0..3: {windows}", flush=True)
+    summary = tg.train(hp, preset, one_device_mesh())
+    return {"windows": windows, **summary}
+
+
+def one_device_mesh():
+    """One sequence per step cannot be split over several devices: the lane uses the first."""
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) FP8 head: in the compiled train step every head matmul is an FP8 GEMM
+
+
+@lane
+def test_train_step_head_matmuls_are_fp8_gemms(tmp_path):
+    hlo_file = tmp_path / "train_step.hlo.txt"
+    run_case("hlo", PRESET, TRAIN_T, hlo_file)
+    sites, problems = fp8_gemm_problems(hlo_file.read_text(), PADDED_VOCAB)
+    listing = "\n".join(f"  {s}" for s in sites)
+    if not ON_GPU:  # dry run: XLA:CPU has no FP8 GEMM, and the checker must reject every head matmul
+        assert len(sites) >= 3 and all(any(f"{s}: a head matmul with f32 x f32" in p for p in problems)
+                                       for s in sites), listing
+        return
+    assert not problems, ("\n".join(problems) + f"\nhead matmuls found:\n{listing}\n(HLO text: {hlo_file})")
+    print(f"{len(sites)} head matmuls, all FP8 GEMMs:\n{listing}")
+
+
+def case_hlo(preset: str, T: int, out_file: str) -> dict:
+    import train_gpt as tg
+
+    hp = dataclasses.replace(tg.PRESETS[preset], batch_size=T, seq_len=T, val_tokens=T, compile_cache_dir="")
+    mesh = one_device_mesh()
+    optimizer = tg.make_optimizer(hp, mesh)
+    train_step = tg.make_steps(hp, mesh, optimizer)[0]
+    params = jax.eval_shape(lambda: tg.init_params(hp, 0))
+    opt_state = jax.eval_shape(optimizer.init, params)
+    batch = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    text = train_step.lower(params, opt_state, batch, batch, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
+    with open(out_file, "w") as f:
+        f.write(text)
+    return {"hlo_chars": len(text)}
+
+
+# The checker. Compiled HLO text is a list of computations, each a list of instructions:
+#   [ROOT] %name = TYPE opcode(OPERANDS), attr=..., calls=%comp, custom_call_target="...", backend_config={...}
+# where TYPE is `f8e4m3fn[8192,768]{1,0}` or a tuple `(bf16[..]{..}, s8[..]{..})`, and an operand is
+# `%name`, or `TYPE %name` in some printers.
+
+F8_TYPES = ("f8e4m3fn", "f8e5m2")
+CUBLAS_FP8 = "__cublas$lt$matmul$f8"
+GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cudnn$fusion")
+PASS_THROUGH = ("bitcast", "copy", "transpose", "reshape", "slice", "dynamic-slice", "broadcast")
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    type: str
+    op: str
+    operands: list  # operand names, without %
+    attrs: str
+    computation: str
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict  # name -> {instruction name -> Instr}, in text order
+    roots: dict  # computation name -> root instruction name
+    callers: dict  # computation name -> [fusion Instr calling it]
+
+    def get(self, computation: str, name: str):
+        return self.computations.get(computation, {}).get(name)
+
+
+@dataclasses.dataclass
+class Gemm:
+    name: str
+    computation: str
+    kernel: str  # a custom-call target, a GEMM fusion kind, or "dot" (not lowered to a GEMM kernel)
+    lhs: str  # operand types
+    rhs: str
+    result: str
+
+    def __str__(self):
+        return f"{self.name} in {self.computation}: {self.kernel}({self.lhs}, {self.rhs}) -> {self.result}"
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket that closes text[start] ('(' or '{'), counting both kinds."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "({":
+            depth += 1
+        elif text[i] in ")}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO line: {text!r}")
+
+
+def _split_top_level(text: str) -> list:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return [p.strip() for p in parts + [current] if p.strip()]
+
+
+COMPUTATION_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
+INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+OPCODE = re.compile(r"\s*([\w\-]+)\(")
+
+
+def parse_hlo(text: str) -> Module:
+    """The computations and instructions of an HLO module's text (one instruction per line)."""
+    computations, roots, callers, current = {}, {}, {}, None
+    for line in text.splitlines():
+        if current is None:
+            m = COMPUTATION_HEADER.match(line)
+            if m:
+                current = m[1]
+                computations[current] = {}
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = INSTRUCTION.match(line)
+        if not m:
+            continue
+        is_root, name, rest = m[1], m[2], m[3]
+        end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+        if end < 0:
+            continue
+        type_, rest = rest[:end], rest[end:]
+        op = OPCODE.match(rest)
+        if not op:
+            continue
+        close = _balanced(rest, op.end() - 1)
+        operands = [o.split()[-1].lstrip("%") for o in _split_top_level(rest[op.end():close - 1])]
+        ins = Instr(name, type_, op[1], operands, rest[close:], current)
+        computations[current][name] = ins
+        if is_root:
+            roots[current] = name
+        called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+        if called:
+            callers.setdefault(called[1], []).append(ins)
+    return Module(computations, roots, callers)
+
+
+def element_type(type_: str) -> str:
+    """`f8e4m3fn[8,4]{1,0}` -> f8e4m3fn; a tuple gives its first element's type."""
+    m = re.match(r"\(?\s*(\w+)\[", type_)
+    return m[1] if m else type_
+
+
+def dims(type_: str) -> list:
+    m = re.match(r"\(?\s*\w+\[([\d,]*)\]", type_)
+    return [int(d) for d in m[1].split(",") if d] if m else []
+
+
+def _operand_type(module: Module, ins: Instr, i: int) -> str:
+    producer = module.get(ins.computation, ins.operands[i])
+    return producer.type if producer else "?"
+
+
+def _fusion_kind(ins: Instr) -> str:
+    m = re.search(r'"kind"\s*:\s*"([^"]+)"', ins.attrs)
+    return m[1] if m else ""
+
+
+def gemm_sites(module: Module) -> list:
+    """Every matrix multiplication: GEMM custom calls (cuBLAS) and dot instructions. A dot inside a
+    Triton or cuDNN GEMM fusion gets that fusion's kind as its kernel; any other dot is "dot"."""
+    sites = []
+    for comp, instrs in module.computations.items():
+        for ins in instrs.values():
+            if ins.op == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+                if not (target and target[1].startswith("__cublas") and len(ins.operands) >= 2):
+                    continue
+                kernel = target[1]
+            elif ins.op == "dot":
+                kinds = [_fusion_kind(c) for c in module.callers.get(comp, [])]
+                kernel = next((k for k in kinds if k in GEMM_FUSION_KINDS), "dot")
+            else:
+                continue
+            sites.append(Gemm(ins.name, comp, kernel, _operand_type(module, ins, 0), _operand_type(module, ins, 1),
+                              ins.type))
+    return sites
+
+
+def upcast_from_f8(module: Module, computation: str, name: str, depth: int = 0) -> bool:
+    """Whether this value is an f8 tensor converted to a wider type, looking through layout ops,
+    into the root of a fusion that produces it, and out of a fused computation's parameters."""
+    ins = module.get(computation, name)
+    if ins is None or depth > 64:
+        return False
+    if ins.op == "convert":
+        return element_type(_operand_type(module, ins, 0)) in F8_TYPES and element_type(ins.type) not in F8_TYPES
+    if ins.op in PASS_THROUGH:
+        return upcast_from_f8(module, computation, ins.operands[0], depth + 1)
+    if ins.op == "fusion":
+        called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)[1]
+        return called in module.roots and upcast_from_f8(module, called, module.roots[called], depth + 1)
+    if ins.op == "parameter":
+        index = int(ins.operands[0])
+        return any(upcast_from_f8(module, c.computation, c.operands[index], depth + 1)
+                   for c in module.callers.get(computation, []) if index < len(c.operands))
+    return False
+
+
+def fp8_gemm_problems(hlo_text: str, vocab: int, min_count: int = 3):
+    """(head GEMMs, problems) for compiled HLO text; no problems means the FP8 head is real.
+
+    A head GEMM is a matmul with a dimension of size `vocab` (operands or result). Each must take
+    f8e4m3fn/f8e5m2 operands and run as an FP8 GEMM kernel (cuBLASLt's fp8 matmul, or a Triton or
+    cuDNN GEMM fusion whose dot reads f8). At least `min_count` must exist (forward, dx, dw; more
+    when the forward is recomputed), forward (e4m3 x e4m3) and backward (an e5m2 gradient) among
+    them. No matmul at all may read an f8 tensor upcast to bf16/f32 (an emulated FP8 matmul)."""
+    module = parse_hlo(hlo_text)
+    problems, heads = [], []
+    for g in gemm_sites(module):
+        ins = module.get(g.computation, g.name)
+        for i in (0, 1):
+            if upcast_from_f8(module, g.computation, ins.operands[i]):
+                problems.append(f"{g}: operand {i} ({ins.operands[i]}) is an f8 tensor upcast to a wider type")
+        if vocab not in dims(g.lhs) + dims(g.rhs) + dims(g.result):
+            continue
+        heads.append(g)
+        types = (element_type(g.lhs), element_type(g.rhs))
+        if not all(t in F8_TYPES for t in types):
+            problems.append(f"{g}: a head matmul with {types[0]} x {types[1]} operands, not FP8")
+        elif g.kernel == "dot":
+            problems.append(f"{g}: a head matmul left as a plain dot, not lowered to a GEMM kernel")
+        elif g.kernel.startswith("__cublas") and g.kernel != CUBLAS_FP8:
+            problems.append(f"{g}: a head matmul run by {g.kernel}, not {CUBLAS_FP8}")
+    if len(heads) < min_count:
+        problems.append(f"{len(heads)} head matmuls (a dimension of {vocab}) found, expected at least {min_count}: "
+                        f"forward, dx and dw")
+    kinds = [(element_type(g.lhs), element_type(g.rhs)) for g in heads]
+    if ("f8e4m3fn", "f8e4m3fn") not in kinds:
+        problems.append("no head matmul with f8e4m3fn x f8e4m3fn operands: the forward is not FP8")
+    if not any("f8e5m2" in k for k in kinds):
+        problems.append("no head matmul reads an f8e5m2 gradient: the backward is not FP8")
+    return heads, problems
+
+
+# Hand-written HLO in the printed formats, at small sizes: head dimension V = 96, T = 64, D = 32.
+V = 96
+CUBLAS_HLO = """HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(bf16[64,32]{1,0})->f32[]}
+
+%fused_scale_x (param_0.1: bf16[64,32]) -> f8e4m3fn[64,32] {
+  %param_0.1 = bf16[64,32]{1,0} parameter(0)
+  %constant.1 = bf16[] constant(2)
+  %broadcast.1 = bf16[64,32]{1,0} broadcast(%constant.1), dimensions={}
+  %multiply.1 = bf16[64,32]{1,0} multiply(%param_0.1, %broadcast.1)
+  ROOT %convert.1 = f8e4m3fn[64,32]{1,0} convert(%multiply.1), metadata={op_name="jit(train_step)/convert_element_type"}
+}
+
+ENTRY %main.9 (x.1: bf16[64,32], w8.1: f8e4m3fn[96,32], g8.1: f8e5m2[64,96], a.1: bf16[64,32], b.1: bf16[32,32]) -> f32[] {
+  %x.1 = bf16[64,32]{1,0} parameter(0)
+  %w8.1 = f8e4m3fn[96,32]{1,0} parameter(1)
+  %g8.1 = f8e5m2[64,96]{1,0} parameter(2)
+  %a.1 = bf16[64,32]{1,0} parameter(3)
+  %b.1 = bf16[32,32]{1,0} parameter(4)
+  %x8 = f8e4m3fn[64,32]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_scale_x
+  %one = f32[] constant(1)
+  %cublas-lt-matmul.1 = (bf16[64,96]{1,0}, s8[4194304]{0}) custom-call(%x8, %w8.1, %one, %one), custom_call_target="__cublas$lt$matmul$f8", backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %transpose.2 = f8e4m3fn[32,96]{1,0} transpose(%w8.1), dimensions={1,0}
+  %cublas-lt-matmul.2 = (f32[64,32]{1,0}, s8[4194304]{0}) custom-call(f8e5m2[64,96]{1,0} %g8.1, f8e4m3fn[32,96]{1,0} %transpose.2, f32[] %one, f32[] %one), custom_call_target="__cublas$lt$matmul$f8", backend_config={}
+  %transpose.3 = f8e5m2[96,64]{1,0} transpose(%g8.1), dimensions={1,0}
+  %transpose.4 = f8e4m3fn[32,64]{1,0} transpose(%x8), dimensions={1,0}
+  %cublas-lt-matmul.3 = (f32[96,32]{1,0}, s8[4194304]{0}) custom-call(%transpose.3, %transpose.4, %one, %one), custom_call_target="__cublas$lt$matmul$f8"
+  %cublas-gemm.4 = (bf16[64,32]{1,0}, s8[4194304]{0}) custom-call(%a.1, %b.1), custom_call_target="__cublas$gemm", backend_config={}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+TRITON_HLO = """HloModule jit_train_step, is_scheduled=true
+
+%lhs_block (parameter_0.1: f8e5m2[64,96]) -> f8e5m2[64,96] {
+  ROOT %parameter_0.1 = f8e5m2[64,96]{1,0} parameter(0)
+}
+
+%rhs_block (parameter_0.2: f8e4m3fn[96,32]) -> f8e4m3fn[96,32] {
+  ROOT %parameter_0.2 = f8e4m3fn[96,32]{1,0} parameter(0)
+}
+
+%gemm_fusion_dot.1_computation (parameter_0: f8e5m2[64,96], parameter_1: f8e4m3fn[96,32]) -> f32[64,32] {
+  %parameter_0 = f8e5m2[64,96]{1,0} parameter(0)
+  %block_fusion = f8e5m2[64,96]{1,0} fusion(%parameter_0), kind=kCustom, calls=%lhs_block, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion","block_level_fusion_config":{"output_tiles":[{"sizes":["16","16"]}]}}}
+  %parameter_1 = f8e4m3fn[96,32]{1,0} parameter(1)
+  %block_fusion.1 = f8e4m3fn[96,32]{1,0} fusion(%parameter_1), kind=kCustom, calls=%rhs_block, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %dot.0 = f32[64,32]{1,0} dot(%block_fusion, %block_fusion.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemm_fusion_dot.2_computation (parameter_0.3: f8e4m3fn[64,32], parameter_1.3: f8e4m3fn[96,32]) -> f32[64,96] {
+  %parameter_0.3 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %parameter_1.3 = f8e4m3fn[96,32]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,96]{1,0} dot(%parameter_0.3, %parameter_1.3), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%gemm_fusion_dot.3_computation (parameter_0.4: f8e5m2[64,96], parameter_1.4: f8e4m3fn[64,32]) -> f32[96,32] {
+  %parameter_0.4 = f8e5m2[64,96]{1,0} parameter(0)
+  %parameter_1.4 = f8e4m3fn[64,32]{1,0} parameter(1)
+  ROOT %dot.2 = f32[96,32]{1,0} dot(%parameter_0.4, %parameter_1.4), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.2 (g8: f8e5m2[64,96], w8: f8e4m3fn[96,32], x8: f8e4m3fn[64,32]) -> (f32[64,32], f32[64,96], f32[96,32]) {
+  %g8 = f8e5m2[64,96]{1,0} parameter(0)
+  %w8 = f8e4m3fn[96,32]{1,0} parameter(1)
+  %x8 = f8e4m3fn[64,32]{1,0} parameter(2)
+  %gemm_fusion_dot.1 = f32[64,32]{1,0} fusion(%g8, %w8), kind=kCustom, calls=%gemm_fusion_dot.1_computation, backend_config={"operation_queue_id":"0","fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %gemm_fusion_dot.2 = f32[64,96]{1,0} fusion(%x8, %w8), kind=kCustom, calls=%gemm_fusion_dot.2_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64"}}}
+  %gemm_fusion_dot.3 = f32[96,32]{1,0} fusion(%g8, %x8), kind=kCustom, calls=%gemm_fusion_dot.3_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %tuple = (f32[64,32]{1,0}, f32[64,96]{1,0}, f32[96,32]{1,0}) tuple(%gemm_fusion_dot.1, %gemm_fusion_dot.2, %gemm_fusion_dot.3)
+}
+"""
+
+# What XLA:CPU (jax 0.11.2) printed for an f8 x f8 -> f32 dot_general, shapes adapted to V: the f8
+# operands are converted back to f32 in loop fusions and a plain dot multiplies them.
+EMULATED_HLO = """HloModule jit_f, is_scheduled=true, entry_computation_layout={(f32[64,32]{1,0}, f32[96,32]{1,0})->bf16[64,96]{1,0}}
+
+FileNames
+1 "/tmp/hlo_probe.py"
+
+%fused_computation (param_0: f32[64,32], param_1: f32[96,32]) -> f32[64,96] {
+  %param_0 = f32[64,32]{1,0} parameter(0)
+  %param_1 = f32[96,32]{1,0} parameter(1)
+  ROOT %dot_general.0 = f32[64,96]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(f)/dot_general" stack_frame_id=4}
+}
+
+%fused_computation.1 (param_0.2: f32[96,32]) -> f32[96,32] {
+  %param_0.2 = f32[96,32]{1,0} parameter(0)
+  %convert_element_type.0 = f8e4m3fn[96,32]{1,0} convert(%param_0.2), metadata={op_name="jit(f)/convert_element_type" stack_frame_id=3}
+  ROOT %convert.2 = f32[96,32]{1,0} convert(%convert_element_type.0), metadata={op_name="jit(f)/dot_general" stack_frame_id=4}
+}
+
+%fused_computation.2 (param_0.4: f32[64,32]) -> f32[64,32] {
+  %param_0.4 = f32[64,32]{1,0} parameter(0)
+  %convert_element_type.1 = f8e4m3fn[64,32]{1,0} convert(%param_0.4), metadata={op_name="jit(f)/convert_element_type" stack_frame_id=2}
+  ROOT %convert.3 = f32[64,32]{1,0} convert(%convert_element_type.1), metadata={op_name="jit(f)/dot_general" stack_frame_id=4}
+}
+
+ENTRY %main.1 (x.1: f32[64,32], w.1: f32[96,32]) -> bf16[64,96] {
+  %x.1 = f32[64,32]{1,0} parameter(0), metadata={op_name="x"}
+  %w.1 = f32[96,32]{1,0} parameter(1), metadata={op_name="w"}
+  %convert_convert_fusion.1 = f32[64,32]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_computation.2
+  %convert_convert_fusion = f32[96,32]{1,0} fusion(%w.1), kind=kLoop, calls=%fused_computation.1, backend_config={"outer_dimension_partitions":["2"]}
+  %ynn_fusion = f32[64,96]{1,0} fusion(%convert_convert_fusion.1, %convert_convert_fusion), kind=kCustom, calls=%fused_computation, backend_config={"fusion_config":{"kind":"__ynn_fusion"},"outer_dimension_partitions":[]}
+  ROOT %wrapped_convert = bf16[64,96]{1,0} convert(%ynn_fusion)
+}
+"""
+
+
+def test_hlo_parser_reads_types_operands_and_calls():
+    module = parse_hlo(CUBLAS_HLO)
+    assert set(module.computations) == {"fused_scale_x", "main.9"}
+    gemm = module.get("main.9", "cublas-lt-matmul.2")
+    assert gemm.op == "custom-call" and gemm.type == "(f32[64,32]{1,0}, s8[4194304]{0})"
+    assert gemm.operands == ["g8.1", "transpose.2", "one", "one"]  # typed operands give their names
+    assert element_type(gemm.type) == "f32" and dims(gemm.type) == [64, 32]
+    assert module.roots == {"fused_scale_x": "convert.1", "main.9": "r"}
+    assert [c.name for c in module.callers["fused_scale_x"]] == ["x8"]
+    # a computation may share its name with an instruction (nested Triton fusions do)
+    triton = parse_hlo(TRITON_HLO)
+    assert triton.get("gemm_fusion_dot.1_computation", "dot.0").operands == ["block_fusion", "block_fusion.1"]
+
+
+def test_cublaslt_fp8_head_passes_and_bf16_gemms_elsewhere_are_ignored():
+    heads, problems = fp8_gemm_problems(CUBLAS_HLO, V)
+    assert problems == []
+    assert [g.name for g in heads] == ["cublas-lt-matmul.1", "cublas-lt-matmul.2", "cublas-lt-matmul.3"]
+    assert [(element_type(g.lhs), element_type(g.rhs)) for g in heads] == [
+        ("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn")]
+
+
+def test_triton_fp8_gemm_fusions_pass():
+    heads, problems = fp8_gemm_problems(TRITON_HLO, V)
+    assert problems == []
+    assert [g.kernel for g in heads] == ["__triton_nested_gemm_fusion", "__triton_gemm", "__triton_gemm"]
+
+
+def test_non_fp8_cublas_kernel_for_a_head_matmul_fails():
+    hlo = CUBLAS_HLO.replace('custom_call_target="__cublas$lt$matmul$f8"', 'custom_call_target="__cublas$lt$matmul"', 1)
+    _, problems = fp8_gemm_problems(hlo, V)
+    assert len(problems) == 1 and "cublas-lt-matmul.1" in problems[0] and "__cublas$lt$matmul," in problems[0]
+
+
+def test_f8_upcast_to_bf16_before_a_cublas_gemm_fails():
+    """The GPU fallback: f8 converted back to bf16 in a fusion, then a bf16 GEMM."""
+    upcast = CUBLAS_HLO.replace(
+        "  ROOT %convert.1 = f8e4m3fn[64,32]{1,0} convert(%multiply.1)",
+        "  %convert.1 = f8e4m3fn[64,32]{1,0} convert(%multiply.1)\n"
+        "  ROOT %convert.9 = bf16[64,32]{1,0} convert(%convert.1)",
+    ).replace("-> f8e4m3fn[64,32] {", "-> bf16[64,32] {").replace(
+        "%x8 = f8e4m3fn[64,32]{1,0} fusion", "%x8 = bf16[64,32]{1,0} fusion").replace(
+        "%transpose.4 = f8e4m3fn[32,64]", "%transpose.4 = bf16[32,64]")
+    heads, problems = fp8_gemm_problems(upcast, V)
+    assert len(heads) == 3
+    text = "\n".join(problems)
+    # forward: bf16 x f8 operands, the bf16 one upcast; dw: the transposed upcast x8
+    assert "cublas-lt-matmul.1" in text and "bf16 x f8e4m3fn operands, not FP8" in text
+    assert "operand 0 (x8) is an f8 tensor upcast" in text
+    assert "operand 1 (transpose.4) is an f8 tensor upcast" in text
+    assert "forward is not FP8" in text
+    assert "cublas-lt-matmul.2" not in text  # dx reads g8 and w8: still FP8
+
+
+def test_convert_inside_a_triton_gemm_fusion_fails():
+    """f8 parameters, but the fusion converts them to bf16 before its dot."""
+    inside = TRITON_HLO.replace(
+        "  ROOT %parameter_0.2 = f8e4m3fn[96,32]{1,0} parameter(0)",
+        "  %parameter_0.2 = f8e4m3fn[96,32]{1,0} parameter(0)\n"
+        "  ROOT %convert.5 = bf16[96,32]{1,0} convert(%parameter_0.2)",
+    ).replace("%block_fusion.1 = f8e4m3fn[96,32]", "%block_fusion.1 = bf16[96,32]")
+    _, problems = fp8_gemm_problems(inside, V)
+    assert len(problems) == 2, problems
+    assert "dot.0" in problems[0] and "operand 1 (block_fusion.1) is an f8 tensor upcast" in problems[0]
+    assert "dot.0" in problems[1] and "f8e5m2 x bf16 operands, not FP8" in problems[1]
+
+
+def test_emulated_fp8_as_xla_cpu_compiles_it_fails():
+    heads, problems = fp8_gemm_problems(EMULATED_HLO, V, min_count=1)
+    assert [g.kernel for g in heads] == ["dot"]  # __ynn_fusion is no GPU GEMM kernel
+    text = "\n".join(problems)
+    assert "operand 0 (param_0) is an f8 tensor upcast" in text  # through the fusion parameter to its caller
+    assert "operand 1 (param_1) is an f8 tensor upcast" in text
+    assert "f32 x f32 operands, not FP8" in text
+
+
+def test_missing_backward_or_too_few_head_matmuls_fail():
+    forward_only = "\n".join(line for line in CUBLAS_HLO.splitlines()
+                             if "cublas-lt-matmul.2" not in line and "cublas-lt-matmul.3" not in line)
+    heads, problems = fp8_gemm_problems(forward_only, V)
+    assert len(heads) == 1
+    assert any("1 head matmuls" in p for p in problems)
+    assert any("backward is not FP8" in p for p in problems)
+    assert fp8_gemm_problems(CUBLAS_HLO, V, min_count=4)[1] == [
+        f"3 head matmuls (a dimension of {V}) found, expected at least 4: forward, dx and dw"]
+
+
+def test_plain_dot_on_f8_operands_fails():
+    """f8 operands but no GEMM kernel: a dot left outside any GEMM fusion."""
+    hlo = TRITON_HLO.replace('"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64"}', '"kind":"__loop"')
+    _, problems = fp8_gemm_problems(hlo, V)
+    assert len(problems) == 1 and "dot.1" in problems[0] and "plain dot" in problems[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) Attention at full length against a dense fp32 reference on sampled query blocks
+
+
+if LANE:
+    import train_gpt
+
+    IMPLS = sorted(train_gpt.ATTENTION)
+else:
+    IMPLS = ["xla"]  # skipped: importing train_gpt is not worth it
+
+
+@lane
+@pytest.mark.parametrize("window", [1, 14])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_matches_dense_fp32_reference(impl, window):
+    result = run_case("attention", impl, window, ATTENTION_T)
+    print(result)
+    assert result["out_err"] < OUT_TOL, result
+    for g in ("dq", "dk", "dv"):
+        assert result[f"{g}_err"] < GRAD_TOL, result
+        assert result[f"{g}_max"] > 0, result  # the sampled rows reach every gradient
+
+
+def case_attention(impl: str, window: int, T: int) -> dict:
+    import train_gpt as tg
+
+    H, D, B = 6, tg.HEAD_DIM, tg.BLOCK
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    N, W = T // B, max(window, 1)
+    # Query blocks: the first, the last, and two between whose rows see a document start inside
+    # their own block (the document rule binds). The last block's document spans W + 1 blocks
+    # before it (the window rule binds: one block too many or too few changes its rows).
+    middle = sorted(rng.choice(np.arange(1, N - W - 2), 2, replace=False).tolist())
+    blocks = [0, *middle, N - 1]
+    rows = np.concatenate([np.arange(n * B, (n + 1) * B) for n in blocks])
+    tokens = rng.integers(0, tg.EOT, T)  # no EOT yet
+    tokens[rng.choice(T, max(2, T // 4000), replace=False)] = tg.EOT  # documents of ~4,000 tokens
+    tokens[[n * B + int(rng.integers(1, B)) for n in middle]] = tg.EOT
+    tokens[(N - 2 - W) * B:] = rng.integers(0, tg.EOT, (W + 2) * B)
+    docs = jnp.asarray(np.cumsum(tokens == tg.EOT), jnp.int32)
+    q, k, v = (jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16) for _ in range(3))
+    cot = np.zeros((T, H, D), np.float32)
+    cot[rows] = rng.standard_normal((len(rows), H, D))
+    cot = jnp.asarray(cot, jnp.bfloat16)  # non-zero only on the sampled rows
+
+    attend = tg.ATTENTION[impl]
+
+    @jax.jit
+    def run(q, k, v, cot, w):  # the window is a traced value, as in the model
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, docs, w), q, k, v)
+        return out, *vjp(cot)
+
+    out, dq, dk, dv = run(q, k, v, cot, jnp.int32(window))
+    assert out.dtype == jnp.bfloat16 and out.shape == q.shape, (out.dtype, out.shape)
+
+    rows_j = jnp.asarray(rows)
+
+    def dense(q_rows, k, v):
+        """The spec's rule written out for the sampled query rows against all T keys, in fp32."""
+        j = jnp.arange(T)
+        allowed = ((j[None, :] <= rows_j[:, None]) & (docs[None, :] == docs[rows_j][:, None])
+                   & (rows_j[:, None] // B - j[None, :] // B < max(window, 1)))
+        s = jnp.einsum("rhd,khd->hrk", q_rows, k) * tg.ATTN_SCALE
+        p = jax.nn.softmax(jnp.where(allowed[None], s, -jnp.inf), axis=-1)
+        return jnp.einsum("hrk,khd->rhd", p, v)
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    with jax.default_matmul_precision("highest"):  # a true fp32 reference, no TF32
+        ref_out, ref_vjp = jax.vjp(dense, f32(q[rows_j]), f32(k), f32(v))
+        ref_dq_rows, ref_dk, ref_dv = ref_vjp(f32(cot[rows_j]))
+    ref_dq = jnp.zeros((T, H, D), jnp.float32).at[rows_j].set(ref_dq_rows)  # other rows get no gradient
+
+    def rel_err(a, b):
+        return float(jnp.max(jnp.abs(f32(a) - b)) / jnp.max(jnp.abs(b)))
+
+    return {"impl": impl, "window": window, "T": T, "seed": seed, "query_blocks": blocks,
+            "out_err": rel_err(out[rows_j], ref_out),
+            "dq_err": rel_err(dq, ref_dq), "dk_err": rel_err(dk, ref_dk), "dv_err": rel_err(dv, ref_dv),
+            "dq_max": float(jnp.max(jnp.abs(ref_dq))), "dk_max": float(jnp.max(jnp.abs(ref_dk))),
+            "dv_max": float(jnp.max(jnp.abs(ref_dv)))}
+
+
+# ---------------------------------------------------------------------------------------------
+
+CASES = {"train": (case_train, (str, int, str)), "hlo": (case_hlo, (str, int, str)),
+         "attention": (case_attention, (str, int, int))}
+
+if __name__ == "__main__":
+    name, *values = sys.argv[1:]
+    fn, types = CASES[name]
+    if len(values) != len(types):
+        sys.exit(f"usage: python tests/test_gpu.py {name} " + " ".join(t.__name__.upper() for t in types))
+    print(f"case {name} {' '.join(values)} on {jax.devices()[0].device_kind} ({BACKEND})", flush=True)
+    print("RESULT " + json.dumps(fn(*(t(v) for t, v in zip(types, values)))), flush=True)
