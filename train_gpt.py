@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import platform
 import queue
 import signal
@@ -29,11 +30,20 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so a copied script still finds data/
-from data.shards import ShardError, open_shard, read_header  # noqa: E402  (the one shard reader, shared with data/)
+SOURCE = pathlib.Path(__file__).read_text()  # read at start-up: the record log embeds the code that runs
+
 
 # -----------------------------------------------------------------------------
 # 1 Hyperparameters
+
+
+class ConfigError(ValueError):
+    """A flag or a combination of flags that cannot run; the message names the flag and the fix."""
+
+
+class DataError(ValueError):
+    """Shards or paths that cannot be used; the message names the file (absolute path) and the fix."""
+
 
 EOT = 50256  # <|endoftext|>: starts every document
 BLOCK = 128  # attention block size (tokens); sequences are multiples of it
@@ -73,21 +83,37 @@ class Hyperparameters:
     compile_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt_jax")  # "" = off
 
     def __post_init__(self):
-        problems = []
-        if self.seq_len % BLOCK:
-            problems.append(f"--seq-len {self.seq_len} is not a multiple of {BLOCK} (the attention block size)")
-        if self.batch_size % self.seq_len:
-            problems.append(f"--batch-size {self.batch_size} is not a multiple of --seq-len {self.seq_len}")
-        if self.model_dim != self.num_heads * HEAD_DIM:
-            problems.append(f"--model-dim {self.model_dim} must equal --num-heads x {HEAD_DIM} (head dim is fixed)")
-        if self.num_layers < 6 or self.num_layers % 2:
-            problems.append(f"--num-layers {self.num_layers}: the U-net needs an even number >= 6")
-        if self.val_tokens <= 0 or self.val_tokens % self.batch_size:
-            problems.append(f"--val-tokens {self.val_tokens} must be a positive multiple of --batch-size {self.batch_size}")
-        if self.attention not in ("xla", "pallas"):
-            problems.append(f"--attention {self.attention!r}: choose xla or pallas")
+        """Every rule a run depends on, checked before any work (each message names the flag)."""
+        problems = [message for ok, message in [
+            (self.seq_len > 0 and self.seq_len % BLOCK == 0,
+             f"--seq-len {self.seq_len} must be a positive multiple of {BLOCK} (the attention block size)"),
+            (self.batch_size > 0 and self.seq_len > 0 and self.batch_size % self.seq_len == 0,
+             f"--batch-size {self.batch_size} must be a positive multiple of --seq-len {self.seq_len}"),
+            (self.val_tokens > 0 and self.batch_size > 0 and self.val_tokens % self.batch_size == 0,
+             f"--val-tokens {self.val_tokens} must be a positive multiple of --batch-size {self.batch_size}"),
+            (self.vocab_size > EOT,
+             f"--vocab-size {self.vocab_size} must exceed {EOT}, the largest GPT-2 token id in the shards"),
+            (self.num_layers >= 6 and self.num_layers % 2 == 0,
+             f"--num-layers {self.num_layers}: the U-net needs an even number >= 6"),
+            (self.num_heads > 0 and self.model_dim == self.num_heads * HEAD_DIM,
+             f"--model-dim {self.model_dim} must equal --num-heads {self.num_heads} x {HEAD_DIM} (head dim is fixed), "
+             f"with at least one head"),
+            (self.num_iterations > 0, f"--num-iterations {self.num_iterations} must be at least 1"),
+            (0 < self.cooldown_frac <= 1, f"--cooldown-frac {self.cooldown_frac} must be in (0, 1]"),
+            (0 <= self.final_lr_frac <= 1, f"--final-lr-frac {self.final_lr_frac} must be in [0, 1]"),
+            *[(lr >= 0 and math.isfinite(lr), f"--{name.replace('_', '-')} {lr} must be a finite number >= 0")
+              for name, lr in [("head_lr", self.head_lr), ("embed_lr", self.embed_lr),
+                               ("scalar_lr", self.scalar_lr), ("muon_lr", self.muon_lr)]],
+            (self.muon_momentum_warmup_steps >= 0,
+             f"--muon-momentum-warmup-steps {self.muon_momentum_warmup_steps} must be >= 0 (0: no warm-up)"),
+            (self.window_tokens >= 0, f"--window-tokens {self.window_tokens} must be >= 0"),
+            (self.val_loss_every >= 0, f"--val-loss-every {self.val_loss_every} must be >= 0 (0: only at the end)"),
+            (self.attention in ("xla", "pallas"), f"--attention {self.attention!r}: choose xla or pallas"),
+            (bool(self.train_files and self.val_files and self.records_dir),
+             "--train-files, --val-files and --records-dir must not be empty"),
+        ] if not ok]
         if problems:
-            raise ValueError("bad hyperparameters:\n  " + "\n  ".join(problems))
+            raise ConfigError("bad hyperparameters:\n  " + "\n  ".join(problems))
 
     @property
     def padded_vocab(self) -> int:
@@ -324,14 +350,14 @@ def block(params, i, x, x0, ve, docs_T, window, cos, sin, attend):
     return x + mlp(params, i, rms_norm(x))
 
 
-def gpt_hidden(params, inputs_T, window_blocks, attention: str = "xla", dtype=BF16):
+def gpt_hidden(params, inputs_T, window, attention: str = "xla", dtype=BF16):
     """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) in `dtype`
     (bf16 as the reference; F32 runs the whole model in fp32, the yardstick of the numerics tests)."""
     L = num_layers_of(params)
     T = inputs_T.shape[0]
     docs_T = jnp.cumsum(inputs_T == EOT, dtype=jnp.int32)  # a 50256 token opens its document
-    long_window = jnp.maximum(window_blocks, 1)
-    short_window = jnp.maximum(window_blocks // 2, 1)
+    long_window = jnp.maximum(window, 1)
+    short_window = jnp.maximum(window // 2, 1)
     cos, sin = rotary_cos_sin(T)
     x0 = rms_norm(params["embed.weight"][inputs_T].astype(dtype))
     ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T].astype(dtype) for k in range(3)]
@@ -412,12 +438,13 @@ def head_loss(h_TxD, w_VxD, targets_T, use_fp8: bool):
     return jnp.sum(sums) / T
 
 
-def loss_fn(params, inputs, targets, window_blocks, train: bool, fp8: bool = True, attention: str = "xla",
+def loss_fn(params, inputs_T, targets_T, window, training: bool, fp8: bool = True, attention: str = "xla",
             dtype=BF16):
-    """Mean next-token loss of one sequence (int32 (T,), T a multiple of 128). The FP8 head is a
-    training-only path; evaluation (train=False) always uses the plain bf16 head."""
-    h_TxD = gpt_hidden(params, inputs, window_blocks, attention, dtype)
-    return head_loss(h_TxD, params["lm_head.weight"], targets, use_fp8=train and fp8)
+    """Mean next-token loss of one sequence (int32 (T,), T a multiple of 128); window: the long
+    attention window in blocks. The FP8 head is a training-only path; evaluation (training=False)
+    always uses the plain bf16 head."""
+    h_TxD = gpt_hidden(params, inputs_T, window, attention, dtype)
+    return head_loss(h_TxD, params["lm_head.weight"], targets_T, use_fp8=training and fp8)
 
 
 # -----------------------------------------------------------------------------
@@ -432,7 +459,9 @@ def lr_factor(step, hp: Hyperparameters):
 
 
 def muon_momentum(step, hp: Hyperparameters):
-    return 0.85 + 0.10 * jnp.minimum(step / hp.muon_momentum_warmup_steps, 1.0)
+    """0.85 -> 0.95 linearly over muon_momentum_warmup_steps, then 0.95 (0 steps: 0.95 from the start)."""
+    warmed = 1.0 if hp.muon_momentum_warmup_steps == 0 else jnp.minimum(step / hp.muon_momentum_warmup_steps, 1.0)
+    return 0.85 + 0.10 * warmed
 
 
 def window_blocks(step: int, hp: Hyperparameters) -> int:
@@ -567,7 +596,7 @@ def load_weights(path: str, hp: Hyperparameters) -> dict:
     wrong = [f"{k}: file {arrays[k].shape}, model {expected[k].shape}" for k in expected
              if k in arrays and arrays[k].shape != expected[k].shape]
     if missing or unexpected or wrong:
-        raise ValueError(f"{path} does not match the model of these hyperparameters: missing {missing}, "
+        raise DataError(f"{path} does not match the model of these hyperparameters: missing {missing}, "
                          f"unexpected {unexpected}, wrong shapes {wrong}")
     return {k: jnp.asarray(arrays[k], dtype=expected[k].dtype) for k in expected}
 
@@ -580,24 +609,56 @@ def load_weights(path: str, hp: Hyperparameters) -> dict:
 # at 0. The token order is therefore the 8-GPU reference's on any number of devices.
 
 
-class DataError(ValueError):
-    pass
+# The shard format that data/shards.py writes: 256 little-endian int32 (magic, version, token count,
+# zeros), then the uint16 tokens. Read here as well, so this file runs and is logged on its own.
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 256 * 4
+SHARD_FIX = ("delete it, then download it again (python data/cached_fineweb10B.py N) or regenerate it "
+             "(data/fineweb.py, data/synthetic.py)")
+
+
+def read_shard_header(path: str) -> int:
+    """Check a shard's magic, version and size; its token count."""
+    path = os.path.abspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(SHARD_HEADER_BYTES), "<i4")
+    except OSError as e:
+        raise DataError(f"cannot read shard {path}: {e.strerror}") from None
+    if size < SHARD_HEADER_BYTES:
+        raise DataError(f"{path} is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte shard header: {SHARD_FIX}")
+    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
+        raise DataError(f"{path} is not a version-{SHARD_VERSION} token shard (magic {header[0]}, version "
+                        f"{header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION}): {SHARD_FIX}")
+    count = int(header[2])
+    if size != SHARD_HEADER_BYTES + 2 * count:
+        raise DataError(f"{path} is {size} bytes but its header says {count} tokens "
+                        f"({SHARD_HEADER_BYTES + 2 * count} bytes): truncated or corrupt; {SHARD_FIX}")
+    return count
+
+
+def open_shard(path: str) -> np.ndarray:
+    """The shard's tokens as a read-only uint16 memory map, after checking its header."""
+    count = read_shard_header(path)
+    return np.memmap(path, "<u2", "r", SHARD_HEADER_BYTES, (count,)) if count else np.zeros(0, "<u2")
 
 
 def shard_files(pattern: str, flag: str) -> list:
+    """The sorted files matching a glob; relative patterns are relative to the current folder."""
     files = sorted(glob.glob(pattern))
     if not files:
         raise DataError(
-            f"no shards match {flag} {pattern!r}. Download FineWeb with `python data/cached_fineweb10B.py 8`, "
-            f"or write offline shards with `python data/synthetic.py --out data/synthetic` and pass "
-            f"--train-files 'data/synthetic/synthetic_train_*.bin' --val-files 'data/synthetic/synthetic_val_*.bin'"
+            f"no shards match {flag} {os.path.abspath(pattern)!r}. Download FineWeb with "
+            f"`python data/cached_fineweb10B.py 8`, or write offline shards with `python data/synthetic.py "
+            f"--out data/synthetic` and pass --train-files 'data/synthetic/synthetic_train_*.bin' --val-files "
+            f"'data/synthetic/synthetic_val_*.bin' (relative paths are relative to the current folder)"
         )
     return files
 
 
 def steps_available(files: list, batch_size: int) -> int:
-    """How many step windows the shards hold, from their headers alone."""
-    return sum(max(0, -(-(read_header(f) - batch_size - 1) // batch_size)) for f in files)
+    """How many step windows the shards hold, from their headers alone (token_windows' rule)."""
+    return sum(max(0, -(-(read_shard_header(f) - batch_size - 1) // batch_size)) for f in files)
 
 
 def token_windows(files: list, batch_size: int, seq_len: int, rows: range):
@@ -657,18 +718,19 @@ def prefetch(iterator, put, depth: int = 2):
 # hyperparameters as JSON; '='; then compile, step and summary lines. A complete run ends with
 # `run complete`; an interrupted one with `interrupted at step N`; a failed one with `stopped: ...`.
 
-RULE = "=" * 100
+RULE = "=" * 100  # records/logs.py has the same rule (a test checks)
 
 
 class RecordLog:
-    def __init__(self, path: str, quiet: bool = False):
+    """The record file (line-buffered, never overwritten) and the console; only process 0 has one."""
+
+    def __init__(self, path: str):
         self.path = path
-        self.quiet = quiet
         self.file = open(path, "x", buffering=1)  # "x": never overwrite an earlier log
 
-    def write(self, text: str = "") -> None:
-        if not self.quiet:
-            print(text, flush=True)
+    def write(self, text: str, console_note: str = "") -> None:
+        """A line in the record and on the console; console_note (an ETA, say) goes to the console only."""
+        print(text + console_note, flush=True)
         self.file.write(text + "\n")
 
     def close(self):
@@ -714,9 +776,7 @@ def environment_lines() -> list:
 
 
 def log_header(log: RecordLog, hp: Hyperparameters, preset: str) -> None:
-    with open(os.path.abspath(__file__)) as f:
-        source = f.read()
-    log.file.write(source if source.endswith("\n") else source + "\n")
+    log.file.write(SOURCE if SOURCE.endswith("\n") else SOURCE + "\n")
     for line in [RULE, *environment_lines(), RULE, f"Hyperparameters (preset {preset}):",
                  json.dumps(dataclasses.asdict(hp), indent=1), RULE]:
         log.file.write(line + "\n")
@@ -736,7 +796,7 @@ def make_mesh():
 def sequences_per_device(hp: Hyperparameters, mesh) -> int:
     rows = hp.batch_size // hp.seq_len
     if rows % mesh.size:
-        raise ValueError(
+        raise ConfigError(
             f"--batch-size {hp.batch_size} / --seq-len {hp.seq_len} = {rows} sequences per step cannot be split "
             f"evenly over {mesh.size} devices: choose a --seq-len that makes it a multiple of {mesh.size}"
         )
@@ -781,11 +841,10 @@ def make_steps(hp: Hyperparameters, mesh, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    train = jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, rows, rows, replicated),
-                    out_shardings=(replicated, replicated, replicated))
-    val = jax.jit(jax.shard_map(device_val_loss, out_specs=P(), **specs),
-                  in_shardings=(replicated, rows, rows, replicated), out_shardings=replicated)
-    return train, val
+    return (jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, rows, rows, replicated),
+                    out_shardings=(replicated, replicated, replicated)),
+            jax.jit(jax.shard_map(device_val_loss, out_specs=P(), **specs),
+                    in_shardings=(replicated, rows, rows, replicated), out_shardings=replicated))
 
 
 def enable_compile_cache(cache_dir: str) -> None:
@@ -800,110 +859,198 @@ class Interrupted(Exception):
     pass
 
 
-def train(hp: Hyperparameters, preset: str, mesh, quiet: bool = False) -> dict:
-    """Run the whole speedrun; returns the summary. Raises DataError/ValueError/OSError on bad input
-    before anything is written."""
-    N = hp.num_iterations
+FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per train shard of data/cached_fineweb10B.py
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What a run reads, checked before anything is compiled or written."""
+    train_files: list
+    val_batches: list  # this process's validation windows, (inputs, targets) numpy pairs
+    rows: range  # this process's virtual ranks (sequences) of each step
+    per_device: int  # sequences per device per step
+
+
+def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: str = None) -> Inputs:
+    """Raises ConfigError/DataError, naming the flag and the fix, before any work is done."""
     per_device = sequences_per_device(hp, mesh)
-    rows_per_process = per_device * len(mesh.local_devices)
-    my_rows = range(jax.process_index() * rows_per_process, (jax.process_index() + 1) * rows_per_process)
+    per_process = per_device * len(mesh.local_devices)
+    rows = range(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
     train_files = shard_files(hp.train_files, "--train-files")
-    val_files = shard_files(hp.val_files, "--val-files")
     available = steps_available(train_files, hp.batch_size)
-    if available < N:
+    if available < hp.num_iterations:
+        shards = math.ceil(hp.num_iterations / max(1, FINEWEB_SHARD_TOKENS // hp.batch_size))
         raise DataError(
-            f"the shards matching --train-files {hp.train_files!r} hold {available} "
-            f"steps of {hp.batch_size} tokens but --num-iterations is {N}: add shards (FineWeb: "
-            f"`python data/cached_fineweb10B.py {math.ceil(N / 190)}`) or lower --num-iterations"
-        )
+            f"the shards matching --train-files {os.path.abspath(hp.train_files)!r} hold {available} steps of "
+            f"{hp.batch_size} tokens but --num-iterations is {hp.num_iterations}: add shards (FineWeb: "
+            f"`python data/cached_fineweb10B.py {shards}`) or lower --num-iterations")
+    val_files = shard_files(hp.val_files, "--val-files")
     val_steps = hp.val_tokens // hp.batch_size
-    val_batches = list(itertools.islice(token_windows(val_files, hp.batch_size, hp.seq_len, my_rows), val_steps))
-    if len(val_batches) < val_steps:
-        raise DataError(f"the shards matching --val-files {hp.val_files!r} hold fewer than --val-tokens "
-                        f"{hp.val_tokens} tokens (+1): lower --val-tokens or add val shards")
-    try:
-        os.makedirs(hp.records_dir, exist_ok=True)
-        problem = None if os.access(hp.records_dir, os.W_OK) else "not writable"
-    except OSError as e:
-        problem = e.strerror
-    if problem:
-        raise OSError(f"cannot write record logs to --records-dir {hp.records_dir!r} ({problem}): "
-                      f"choose a writable folder")
+    val_available = steps_available(val_files, hp.batch_size)
+    if val_available < val_steps:
+        held = sum(read_shard_header(f) for f in val_files)
+        raise DataError(
+            f"the shards matching --val-files {os.path.abspath(hp.val_files)!r} hold {held} tokens: "
+            f"{val_available} windows of --batch-size {hp.batch_size} (a window needs batch_size + 1 tokens "
+            f"and one more left in its shard), but --val-tokens {hp.val_tokens} needs {val_steps}. "
+            f"Lower --val-tokens to {val_available * hp.batch_size} or add val shards")
+    val_batches = list(itertools.islice(token_windows(val_files, hp.batch_size, hp.seq_len, rows), val_steps))
+    for path, flag in [(hp.records_dir, "--records-dir"),
+                       (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
+        if path is None:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            problem = None if os.access(path, os.W_OK) else "not writable"
+        except OSError as e:
+            problem = e.strerror
+        if problem:
+            raise ConfigError(f"cannot write to {flag} folder {os.path.abspath(path)!r} ({problem}): "
+                              f"choose a writable folder")
+    if init_path and not os.path.isfile(init_path):
+        raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
+    return Inputs(train_files, val_batches, rows, per_device)
 
-    log = RecordLog(new_log_path(hp.records_dir), quiet) if jax.process_index() == 0 else None
 
-    def say(text):
-        if log:
-            log.write(text)
-
-    if log:
-        log_header(log, hp, preset)
-        say(f"preset {preset}: {N} steps x {hp.batch_size} tokens, {mesh.size} device(s), {per_device} sequence(s) "
-            f"of {hp.seq_len} per device per step; log {log.path}")
-    rows = NamedSharding(mesh, P("dp"))
-
-    def put(batch):
-        return tuple(jax.make_array_from_process_local_data(rows, x) for x in batch)
-
-    optimizer = make_optimizer(hp, mesh)
-    replicated = NamedSharding(mesh, P())
-    params = jax.jit(init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
-    opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
+def compile_steps(hp: Hyperparameters, mesh, params, opt_state, optimizer):
+    """The train and validation steps, compiled ahead of time for the batch's shape and shardings."""
     train_step, val_step = make_steps(hp, mesh, optimizer)
-    batch_spec = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=rows)
-    window_spec = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    t0 = time.perf_counter()
-    train_step = train_step.lower(params, opt_state, batch_spec, batch_spec, window_spec).compile()
-    val_step = val_step.lower(params, batch_spec, batch_spec, window_spec).compile()
-    compile_s = time.perf_counter() - t0
-    say(f"compile: {compile_s:.1f}s for the train and validation steps (persistent cache: "
-        f"{hp.compile_cache_dir or 'off'})")
-    val_batches = [put(b) for b in val_batches]
-    batches = prefetch(token_windows(train_files, hp.batch_size, hp.seq_len, my_rows), put)
+    rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
+    batch = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=rows)
+    window = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return (train_step.lower(params, opt_state, batch, batch, window).compile(),
+            val_step.lower(params, batch, batch, window).compile())
 
-    def interrupt(signum, frame):
+
+def eta_note(steps_left: int, step_ms: float, validations_left: int, val_s: float) -> str:
+    seconds = steps_left * step_ms / 1000 + validations_left * val_s
+    return f"  (ETA {seconds / 60:.1f} min)" if seconds >= 1 else ""
+
+
+def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_path: str = None) -> dict:
+    """Run the whole speedrun; returns the summary. Bad input raises ConfigError/DataError before
+    anything is written; the record log is opened once the steps are compiled."""
+    N = hp.num_iterations
+    main_process = jax.process_index() == 0
+
+    def console(text):
+        if main_process:
+            print(text, flush=True)
+
+    def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
         raise Interrupted(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    train_ms, step, val_loss = 0.0, 0, float("nan")
+    log, batches, step = None, None, 0
     try:
+        console("checking shards and flags ...")
+        inputs = check_inputs(hp, mesh, init_path, save_path)
+        rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
+
+        def put(batch):
+            return tuple(jax.make_array_from_process_local_data(rows, x) for x in batch)
+
+        optimizer = make_optimizer(hp, mesh)
+        if init_path:
+            params = jax.device_put(load_weights(init_path, hp), replicated)
+        else:
+            params = jax.jit(init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
+        opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
+        console(f"compiling the train and validation steps (persistent cache: {hp.compile_cache_dir or 'off'}) ...")
+        t0 = time.perf_counter()
+        train_step, val_step = compile_steps(hp, mesh, params, opt_state, optimizer)
+        compile_s = time.perf_counter() - t0
+
+        log = RecordLog(new_log_path(hp.records_dir)) if main_process else None
+
+        def say(text, console_note=""):
+            if log:
+                log.write(text, console_note)
+
+        if log:
+            log_header(log, hp, preset)
+        say(f"preset {preset}: {N} steps x {hp.batch_size} tokens, {mesh.size} device(s), {inputs.per_device} "
+            f"sequence(s) of {hp.seq_len} per device per step; log {log.path if log else '-'}")
+        if init_path:
+            say(f"initial weights: {os.path.abspath(init_path)}")
+        say(f"compile: {compile_s:.1f}s for the train and validation steps (persistent cache: "
+            f"{hp.compile_cache_dir or 'off'})")
+        val_batches = [put(b) for b in inputs.val_batches]
+        batches = prefetch(token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows), put)
+        validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
+
+        # The clock runs while steps run and stops for validation. Step s's loss is read only once
+        # step s + 1 is dispatched, so the devices never wait for the host; its line is written then.
+        done_ms, segment_start, pending, val_s = 0.0, None, None, 0.0
+
+        def clock_ms():
+            return done_ms + (0.0 if segment_start is None else 1000 * (time.perf_counter() - segment_start))
+
+        def finish(pending):
+            finished, loss = pending
+            loss = local_value(loss)  # waits for that step
+            ms = clock_ms()
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"non-finite train loss {loss} at step {finished + 1}: usual causes are a learning rate too "
+                    f"high for this batch or model (--muon-lr, --embed-lr, ...) and bad data (check the shards)")
+            left = [v for v in validations if v > finished]
+            say(train_line(finished + 1, N, ms), eta_note(N - finished - 1, ms / (finished + 1), len(left), val_s))
+
         for step in range(N + 1):
             window = np.int32(window_blocks(step, hp))
-            if step == N or (hp.val_loss_every and step % hp.val_loss_every == 0):
-                val_loss = float(np.mean([local_value(val_step(params, x, y, window)) for x, y in val_batches]))
-                say(val_line(step, N, val_loss, train_ms))
+            if step in validations:
+                if pending:
+                    finish(pending)
+                    pending = None
+                done_ms, segment_start = clock_ms(), None
+                if step == 0:
+                    console(f"validating on {hp.val_tokens} tokens ...")
+                t = time.perf_counter()
+                losses = [val_step(params, x, y, window) for x, y in val_batches]
+                val_loss = float(np.mean([local_value(v) for v in losses]))
+                val_s = time.perf_counter() - t
+                say(val_line(step, N, val_loss, done_ms))
                 if not math.isfinite(val_loss):
-                    raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}")
+                    raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}: usual causes are a "
+                                             f"learning rate too high and bad data")
             if step == N:
                 break
-            inputs, targets = next(batches)
-            t = time.perf_counter()
-            params, opt_state, loss = train_step(params, opt_state, inputs, targets, window)
-            loss = local_value(loss)  # waits for the step
-            train_ms += 1000 * (time.perf_counter() - t)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"non-finite train loss {loss} at step {step}")
-            say(train_line(step + 1, N, train_ms))
+            x, y = next(batches)
+            if segment_start is None:
+                segment_start = time.perf_counter()
+            params, opt_state, loss = train_step(params, opt_state, x, y, window)
+            if pending:
+                finish(pending)
+            pending = (step, loss)
         stats = jax.local_devices()[0].memory_stats() or {}
         summary = {
             "final_val_loss": val_loss,
-            "train_time_ms": train_ms,
-            "step_avg_ms": train_ms / N,
-            "tokens_per_s": N * hp.batch_size / (train_ms / 1000),
+            "train_time_ms": done_ms,
+            "step_avg_ms": done_ms / N,
+            "tokens_per_s": N * hp.batch_size / (done_ms / 1000),
             "compile_s": compile_s,
             "peak_memory_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None,
             "log": log.path if log else None,
         }
         say(summary_line(summary))
+        if save_path and main_process:
+            save_weights(params, save_path)
+            say(f"weights saved: {os.path.abspath(save_path)}")
         say("run complete")
     except Interrupted as e:
-        say(f"interrupted at step {step} ({e})")
+        if log:
+            say(f"interrupted at step {step} ({e})")
+        else:
+            console(f"interrupted ({e}) before training started; no record log was written")
         raise
     except FloatingPointError as e:
-        say(f"stopped: {e}")
+        if log:
+            say(f"stopped: {e}")
         raise
     finally:
-        batches.close()
+        if batches is not None:
+            batches.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if log:
@@ -933,7 +1080,7 @@ def distributed_settings(args):
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
-            raise ValueError("a multi-process run needs --coordinator-address, --num-processes and --process-id "
+            raise ConfigError("a multi-process run needs --coordinator-address, --num-processes and --process-id "
                              f"(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing: {missing}")
         given["num_processes"], given["process_id"] = int(given["num_processes"]), int(given["process_id"])
         return {**given, "heartbeat_timeout_seconds": args.heartbeat_timeout}
@@ -968,6 +1115,10 @@ def parse_args(argv=None):
     )
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="named configuration; default: record when a GPU is present, else cpu")
+    parser.add_argument("--init-weights", metavar="PATH", help="start from these weights (.npz, as --save-weights "
+                        "writes them) instead of the seed's initialisation")
+    parser.add_argument("--save-weights", metavar="PATH", help="after the run, save the trained weights to PATH "
+                        "(.npz keyed by the PyTorch state-dict names)")
     launch = parser.add_argument_group("multi-process launch (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
                                        "JAX_PROCESS_ID; SLURM and Open MPI are detected)")
     launch.add_argument("--coordinator-address", help="host:port of process 0")
@@ -998,22 +1149,19 @@ def main(argv=None) -> int:
     args, overrides = parse_args(argv)
     try:
         start_distributed(distributed_settings(args))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
-    if args.preset is None and jax.process_index() == 0:
-        print(f"preset {preset} (chosen because the JAX backend is {jax.default_backend()}; "
-              f"pass --preset to choose)", flush=True)
-    try:
+        preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
         hp = dataclasses.replace(PRESETS[preset], **overrides)
+        if args.preset is None and jax.process_index() == 0:
+            print(f"preset {preset} (chosen because the JAX backend is {jax.default_backend()}; "
+                  f"pass --preset to choose)", flush=True)
         enable_compile_cache(hp.compile_cache_dir)
         assert_same_everywhere(hp, preset)
-        train(hp, preset, make_mesh())
-    except (DataError, ShardError, OSError, ValueError) as e:
+        train(hp, preset, make_mesh(), args.init_weights, args.save_weights)
+    except (ConfigError, DataError) as e:  # bad input: said in one line, nothing written
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except FloatingPointError:
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except Interrupted as e:
         return 143 if str(e) == "SIGTERM" else 130
