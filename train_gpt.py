@@ -137,6 +137,10 @@ def next_multiple(n: int, k: int) -> int:
 
 # -----------------------------------------------------------------------------
 # 2 Model: a pure function of a dict of arrays keyed by the PyTorch reference's state-dict names
+#
+# Shape suffixes (x_TxD): T tokens of a sequence, D model dim, H heads, K head dim (128), V vocabulary
+# rows (padded to 50304), N 128-token blocks of a sequence, B tokens per block (128), C tokens of a
+# loss chunk, F rotary frequencies, O x I a weight matrix's (out, in).
 
 ATTN_SCALE = 0.12
 RMS_EPS = float(np.finfo(np.float32).eps)  # torch's F.rms_norm default for bf16/fp32 inputs
@@ -144,12 +148,15 @@ BF16 = jnp.bfloat16
 F32 = jnp.float32
 
 
+VALUE_EMBEDS = 3  # value-embedding tables
+
+
 def value_embed_index(layer: int, num_layers: int):
     """The 012...012 pattern: the first three and the last three layers get value tables 0, 1, 2."""
-    if layer < 3:
+    if layer < VALUE_EMBEDS:
         return layer
-    if layer >= num_layers - 3:
-        return layer - (num_layers - 3)
+    if layer >= num_layers - VALUE_EMBEDS:
+        return layer - (num_layers - VALUE_EMBEDS)
     return None
 
 
@@ -173,7 +180,7 @@ def init_params(hp: Hyperparameters, seed: int) -> dict:
         return jax.random.uniform(next(keys), shape, F32, -bound, bound)
 
     params = {"embed.weight": jax.random.normal(next(keys), (V, D), F32).astype(BF16)}
-    for k in range(3):
+    for k in range(VALUE_EMBEDS):
         params[f"value_embeds.embed.{k}.weight"] = jax.random.normal(next(keys), (V, D), F32).astype(BF16)
     for i in range(L):
         params[f"blocks.{i}.lambdas"] = jnp.array([1.0, 0.0], F32)
@@ -214,11 +221,11 @@ def rotary_cos_sin(T: int, head_dim: int = HEAD_DIM):
     return jnp.cos(theta_TxF), jnp.sin(theta_TxF)
 
 
-def apply_rotary(x_TxHxD, cos_TxF, sin_TxF):
-    x1, x2 = jnp.split(x_TxHxD.astype(F32), 2, axis=-1)
+def apply_rotary(x_TxHxK, cos_TxF, sin_TxF):
+    x1, x2 = jnp.split(x_TxHxK.astype(F32), 2, axis=-1)
     cos, sin = cos_TxF[:, None, :], sin_TxF[:, None, :]
     y = jnp.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], axis=-1)
-    return y.astype(x_TxHxD.dtype)
+    return y.astype(x_TxHxK.dtype)
 
 
 # Attention: allowed(q,k) = k <= q AND docs[q] == docs[k] AND floor(q/128) - floor(k/128) < W.
@@ -229,21 +236,21 @@ def apply_rotary(x_TxHxD, cos_TxF, sin_TxF):
 # would store every diagonal's scores.
 
 
-def _blocks(x_TxHxD):
-    T, H, D = x_TxHxD.shape
-    return x_TxHxD.reshape(T // BLOCK, BLOCK, H, D).transpose(0, 2, 1, 3)  # N x H x B x D
+def _blocks(x_TxHxK):
+    T, H, K = x_TxHxK.shape
+    return x_TxHxK.reshape(T // BLOCK, BLOCK, H, K).transpose(0, 2, 1, 3)  # N x H x B x K
 
 
-def _unblocks(x_NxHxBxD):
-    N, H, B, D = x_NxHxBxD.shape
-    return x_NxHxBxD.transpose(0, 2, 1, 3).reshape(N * B, H, D)
+def _unblocks(x_NxHxBxK):
+    N, H, B, K = x_NxHxBxK.shape
+    return x_NxHxBxK.transpose(0, 2, 1, 3).reshape(N * B, H, K)
 
 
-def _diagonal(d, q_NxHxBxD, k_NxHxBxD, docs_NxB):
+def _diagonal(d, q_NxHxBxK, k_NxHxBxK, docs_NxB):
     """Scores and mask of each query block n against key block n - d (d-th block diagonal)."""
-    N = q_NxHxBxD.shape[0]
-    kd = jnp.roll(k_NxHxBxD, d, axis=0)  # kd[n] = k[n - d]; wrapped rows are masked below
-    s_NxHxBxB = jnp.einsum("nhqd,nhkd->nhqk", q_NxHxBxD, kd, preferred_element_type=F32) * ATTN_SCALE
+    N = q_NxHxBxK.shape[0]
+    kd = jnp.roll(k_NxHxBxK, d, axis=0)  # kd[n] = k[n - d]; wrapped rows are masked below
+    s_NxHxBxB = jnp.einsum("nhqd,nhkd->nhqk", q_NxHxBxK, kd, preferred_element_type=F32) * ATTN_SCALE
     i = jnp.arange(BLOCK)
     causal_BxB = (d > 0) | (i[None, :] <= i[:, None])
     same_doc_NxBxB = docs_NxB[:, :, None] == jnp.roll(docs_NxB, d, axis=0)[:, None, :]
@@ -252,9 +259,9 @@ def _diagonal(d, q_NxHxBxD, k_NxHxBxD, docs_NxB):
     return s_NxHxBxB, mask_NxBxB[:, None]
 
 
-def _attention_forward(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window):
-    q, k, v = _blocks(q_TxHxD), _blocks(k_TxHxD), _blocks(v_TxHxD)
-    N, H, B, D = q.shape
+def _xla_attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
+    q, k, v = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK)
+    N, H, B, K = q.shape
     docs_NxB = docs_T.reshape(N, B)
 
     def diagonal(d, carry):
@@ -268,29 +275,29 @@ def _attention_forward(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window):
         pv = jnp.einsum("nhqk,nhkd->nhqd", p.astype(v.dtype), vd, preferred_element_type=F32)
         return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
-    init = (jnp.full((N, H, B), -jnp.inf, F32), jnp.zeros((N, H, B), F32), jnp.zeros((N, H, B, D), F32))
+    init = (jnp.full((N, H, B), -jnp.inf, F32), jnp.zeros((N, H, B), F32), jnp.zeros((N, H, B, K), F32))
     m, l, acc = jax.lax.fori_loop(0, jnp.clip(window, 1, N), diagonal, init)
-    out = _unblocks(acc / l[..., None]).astype(q_TxHxD.dtype)
+    out = _unblocks(acc / l[..., None]).astype(q_TxHxK.dtype)
     return out, m + jnp.log(l)
 
 
 @jax.custom_vjp
-def block_sparse_attention(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window):
+def block_sparse_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
     """softmax(0.12·q·kᵀ)·v over the allowed (q, k) pairs; q, k, v bf16, fp32 softmax; window in blocks."""
-    return _attention_forward(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window)[0]
+    return _xla_attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)[0]
 
 
-def _attention_fwd(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window):
-    out, lse = _attention_forward(q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window)
-    return out, (q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window, out, lse)
+def _xla_attention_vjp_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
+    out, lse = _xla_attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)
+    return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out, lse)
 
 
-def _attention_bwd(res, dout_TxHxD):
-    q_TxHxD, k_TxHxD, v_TxHxD, docs_T, window, out_TxHxD, lse = res
-    q, k, v, dout = _blocks(q_TxHxD), _blocks(k_TxHxD), _blocks(v_TxHxD), _blocks(dout_TxHxD)
-    N, H, B, D = q.shape
+def _xla_attention_vjp_bwd(res, dout_TxHxK):
+    q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out_TxHxK, lse = res
+    q, k, v, dout = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK), _blocks(dout_TxHxK)
+    N, H, B, K = q.shape
     docs_NxB = docs_T.reshape(N, B)
-    delta = jnp.sum(dout.astype(F32) * _blocks(out_TxHxD).astype(F32), axis=-1)  # N x H x B
+    delta = jnp.sum(dout.astype(F32) * _blocks(out_TxHxK).astype(F32), axis=-1)  # N x H x B
 
     def diagonal(d, carry):
         dq, dk, dv = carry
@@ -305,13 +312,13 @@ def _attention_bwd(res, dout_TxHxD):
         # row n of dk_d belongs to key block n - d: roll it back (rows n < d are zero)
         return dq, dk + jnp.roll(dk_d, -d, axis=0), dv + jnp.roll(dv_d, -d, axis=0)
 
-    zeros = jnp.zeros((N, H, B, D), F32)
+    zeros = jnp.zeros((N, H, B, K), F32)
     dq, dk, dv = jax.lax.fori_loop(0, jnp.clip(window, 1, N), diagonal, (zeros, zeros, zeros))
-    grads = [_unblocks(g).astype(q_TxHxD.dtype) for g in (dq, dk, dv)]
+    grads = [_unblocks(g).astype(q_TxHxK.dtype) for g in (dq, dk, dv)]
     return (*grads, None, None)
 
 
-block_sparse_attention.defvjp(_attention_fwd, _attention_bwd)
+block_sparse_attention.defvjp(_xla_attention_vjp_fwd, _xla_attention_vjp_bwd)
 
 
 ATTENTION = {"xla": block_sparse_attention}  # --attention: implementations of the same rule
@@ -360,7 +367,7 @@ def gpt_hidden(params, inputs_T, window, attention: str = "xla", dtype=BF16):
     short_window = jnp.maximum(window // 2, 1)
     cos, sin = rotary_cos_sin(T)
     x0 = rms_norm(params["embed.weight"][inputs_T].astype(dtype))
-    ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T].astype(dtype) for k in range(3)]
+    ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T].astype(dtype) for k in range(VALUE_EMBEDS)]
     x, skips = x0, []
     for i in range(L):
         if i >= L // 2:  # decoder: add the mirrored encoder block's output (U-net)
@@ -472,10 +479,10 @@ def window_blocks(step: int, hp: Hyperparameters) -> int:
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz(G_BxMxN, steps: int = 5):
-    """Quintic Newton–Schulz in bf16, batched: pushes each matrix's singular values into ~[0.5, 1.5]."""
+def newton_schulz(G_SxOxI, steps: int = 5):
+    """Quintic Newton–Schulz in bf16 on a stack (S) of matrices: pushes each matrix's singular values into ~[0.5, 1.5]."""
     a, b, c = NS_COEFFS
-    X = G_BxMxN.astype(BF16)
+    X = G_SxOxI.astype(BF16)
     tall = X.shape[-2] > X.shape[-1]
     if tall:
         X = X.swapaxes(-2, -1)

@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from records.logs import parse_log
-from test_train import ROOT, tiny_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STEPS = 3
 
@@ -20,8 +21,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(shards, records, devices, process_id=None, num_processes=None, port=None, **overrides):
-    args = tiny_args(shards, records, **{"--num-iterations": STEPS, "--val-loss-every": 1, **overrides})
+def launch(tiny_args, records, devices, process_id=None, num_processes=None, port=None, **overrides):
+    args = tiny_args(records, **{"--num-iterations": STEPS, "--val-loss-every": 1, **overrides})
     if process_id is not None:
         args += ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
                  "--process-id", str(process_id)]
@@ -36,11 +37,11 @@ def finish(proc, timeout=600):
     return out
 
 
-def test_two_processes_of_four_devices_match_one_process_of_eight(synthetic_shards, tmp_path):
-    single = launch(synthetic_shards, tmp_path / "one", devices=8)
+def test_two_processes_of_four_devices_match_one_process_of_eight(tiny_args, tmp_path):
+    single = launch(tiny_args, tmp_path / "one", devices=8)
     finish(single)
     port = free_port()
-    procs = [launch(synthetic_shards, tmp_path / "two", 4, i, 2, port) for i in range(2)]
+    procs = [launch(tiny_args, tmp_path / "two", 4, i, 2, port) for i in range(2)]
     outs = [finish(p) for p in procs]
     (one_log,) = (tmp_path / "one").iterdir()
     (two_log,) = (tmp_path / "two").iterdir()  # only process 0 writes a log
@@ -55,11 +56,11 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(synthetic_shar
     assert losses_one[-1] < losses_one[0] - 0.5
 
 
-def test_a_dead_process_makes_the_other_exit_instead_of_hanging(synthetic_shards, tmp_path):
+def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_path):
     """Bound: --heartbeat-timeout 10 s plus shutdown; the test allows 120 s."""
     port = free_port()
     long_run = {"--num-iterations": 50, "--val-loss-every": 0, "--heartbeat-timeout": 10}
-    procs = [launch(synthetic_shards, tmp_path / "r", 4, i, 2, port, **long_run) for i in range(2)]
+    procs = [launch(tiny_args, tmp_path / "r", 4, i, 2, port, **long_run) for i in range(2)]
     try:
         for line in procs[0].stdout:  # wait until both train
             if line.startswith("step:2/"):

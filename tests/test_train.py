@@ -3,6 +3,7 @@ and whole runs of train_gpt.py (record log, errors, interrupts)."""
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,65 +15,12 @@ import optax
 import pytest
 
 import train_gpt as tg
-from data.shards import ShardError, write_shard
+from data.shards import write_shard
 from records.logs import parse_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dataclasses.replace(tg.PRESETS["cpu"], seq_len=128, batch_size=1024, val_tokens=2048, num_iterations=24,
                            val_loss_every=8, compile_cache_dir="")
-
-
-# ---- loader
-
-
-def reference_batches(shards, batch_size, seq_len, rows):
-    """The spec's loader written as the reference loop: check, slice each rank, advance."""
-    shard_iter = iter(shards)
-    tokens, pos = next(shard_iter), 0
-    while True:
-        if pos + batch_size + 1 >= len(tokens):
-            try:
-                tokens, pos = next(shard_iter), 0
-            except StopIteration:
-                return
-            if pos + batch_size + 1 >= len(tokens):
-                continue
-        yield ([tokens[pos + r * seq_len: pos + r * seq_len + seq_len] for r in rows],
-               [tokens[pos + r * seq_len + 1: pos + r * seq_len + seq_len + 1] for r in rows])
-        pos += batch_size
-
-
-def test_loader_follows_the_virtual_rank_rule_across_shard_boundaries(tmp_path):
-    rng = np.random.default_rng()
-    B, S = 512, 128
-    sizes = [int(rng.integers(3 * B, 4 * B)), 2 * B + 1, B + 1, int(rng.integers(2 * B + 2, 3 * B))]  # B+1: no step fits
-    shards = [rng.integers(0, 65536, n).astype(np.uint16) for n in sizes]
-    paths = [str(tmp_path / f"t_{i:06d}.bin") for i in range(len(shards))]
-    for p, s in zip(paths, shards):
-        write_shard(p, s)
-    assert tg.steps_available(paths, B) == len(list(reference_batches(shards, B, S, range(4))))
-    for rows in (range(0, 4), range(2, 4), range(1, 2)):  # all virtual ranks, or one process's share
-        got = list(tg.token_windows(paths, B, S, rows))
-        want = list(reference_batches(shards, B, S, rows))
-        assert len(got) == len(want) > 0
-        for (x, y), (wx, wy) in zip(got, want):
-            assert x.dtype == np.int32 and x.shape == (len(rows), S)
-            np.testing.assert_array_equal(x, np.stack(wx))
-            np.testing.assert_array_equal(y, np.stack(wy))
-
-
-def test_loader_rejects_bad_shards_naming_the_file(tmp_path):
-    good = str(tmp_path / "a_000000.bin")
-    write_shard(good, np.arange(4096) % 1000)
-    bad = str(tmp_path / "b_000001.bin")
-    with open(good, "rb") as f:
-        data = f.read()
-    with open(bad, "wb") as f:
-        f.write(data[:-100])  # truncated
-    with pytest.raises(ShardError, match="b_000001.bin"):
-        list(tg.token_windows([good, bad], 1024, 128, range(8)))
-    with pytest.raises(ShardError, match="b_000001.bin"):
-        tg.steps_available([good, bad], 1024)
 
 
 # ---- the step: accumulation and device count
@@ -157,27 +105,9 @@ def test_one_device_and_eight_devices_compute_the_same_losses():
 # ---- whole runs of train_gpt.py
 
 
-@pytest.fixture
-def shards(synthetic_shards):
-    return synthetic_shards
-
-
-def tiny_args(shards, records, **overrides):
-    args = {"--preset": "cpu", "--seq-len": TINY.seq_len, "--batch-size": TINY.batch_size,
-            "--val-tokens": TINY.val_tokens, "--num-iterations": TINY.num_iterations,
-            "--val-loss-every": TINY.val_loss_every, "--records-dir": records, "--compile-cache-dir": "", **shards}
-    args.update(overrides)
-    return [str(x) for kv in args.items() for x in kv]
-
-
-def run_train(args, **kwargs):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py"), *args], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT, **kwargs)
-
-
-def test_a_tiny_run_writes_a_log_that_parses_back(shards, tmp_path):
+def test_a_tiny_run_writes_a_log_that_parses_back(tiny_args, run_train, tmp_path):
     records = tmp_path / "records"
-    result = run_train(tiny_args(shards, records))
+    result = run_train(tiny_args(records))
     assert result.returncode == 0, result.stderr[-3000:]
     (log_path,) = records.iterdir()
     log = parse_log(str(log_path))
@@ -194,7 +124,7 @@ def test_a_tiny_run_writes_a_log_that_parses_back(shards, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "seq_len", "records_dir"])
-def test_bad_input_fails_before_writing_anything(case, shards, tmp_path):
+def test_bad_input_fails_before_writing_anything(case, tiny_args, run_train, tmp_path):
     records = tmp_path / "records"
     overrides, expect = {}, ""
     bad = tmp_path / "bad_000001.bin"
@@ -210,36 +140,39 @@ def test_bad_input_fails_before_writing_anything(case, shards, tmp_path):
     elif case == "short_val":
         overrides, expect = {"--val-tokens": 1024 * 1024}, "--val-tokens"
     elif case == "seq_len":
-        overrides, expect = {"--seq-len": 1000}, "not a multiple of 128"
+        overrides, expect = {"--seq-len": 1000}, "multiple of 128"
     elif case == "records_dir":
         (tmp_path / "a_file").write_text("")
         overrides, expect = {"--records-dir": str(tmp_path / "a_file" / "records")}, "records"
-    result = run_train(tiny_args(shards, records, **overrides))
+    result = run_train(tiny_args(records, **overrides))
     assert result.returncode == 2, result.stderr[-2000:]
     assert expect in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not records.exists() or not any(records.iterdir())
 
 
-def test_batch_that_does_not_split_over_devices(shards, tmp_path):
+def test_batch_that_does_not_split_over_devices(tiny_args, run_train, tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
-    result = run_train(tiny_args(shards, tmp_path / "records"), env=env)
+    result = run_train(tiny_args(tmp_path / "records"), env=env)
     assert result.returncode == 2 and "cannot be split evenly over 3 devices" in result.stderr, result.stderr[-2000:]
 
 
-def test_non_finite_loss_stops_and_closes_the_log(shards, tmp_path):
+def test_non_finite_loss_stops_and_closes_the_log(tiny_args, run_train, tmp_path):
     records = tmp_path / "records"
-    result = run_train(tiny_args(shards, records, **{"--embed-lr": 1e38}))
+    result = run_train(tiny_args(records, **{"--embed-lr": 1e38}))
     assert result.returncode == 1, result.stderr[-2000:]
     (log_path,) = records.iterdir()
-    last = log_path.read_text().rstrip().splitlines()[-1]
-    assert last.startswith("stopped: non-finite") and "at step" in last
+    *_, before, last = log_path.read_text().rstrip().splitlines()
+    assert last.startswith("stopped: non-finite train loss") and "learning rate" in last
+    # numbered as the step lines are: the line before is the last step that finished with a finite loss
+    stopped_at = int(re.search(r"at step (\d+)", last).group(1))
+    assert before.startswith(f"step:{stopped_at - 1}/") or (stopped_at == 1 and "val_loss" in before), (before, last)
 
 
-def test_sigterm_ends_the_log_with_interrupted(shards, tmp_path):
+def test_sigterm_ends_the_log_with_interrupted(tiny_args, run_train, tmp_path):
     records = tmp_path / "records"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"),
-                             *tiny_args(shards, records, **{"--num-iterations": 50, "--val-loss-every": 0})],
+                             *tiny_args(records, **{"--num-iterations": 50, "--val-loss-every": 0})],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         for line in proc.stdout:  # wait until training runs
@@ -252,3 +185,65 @@ def test_sigterm_ends_the_log_with_interrupted(shards, tmp_path):
     (log_path,) = records.iterdir()
     last = log_path.read_text().rstrip().splitlines()[-1]
     assert last.startswith("interrupted at step ") and "SIGTERM" in last
+
+
+def test_ctrl_c_while_compiling_writes_no_log_and_no_traceback(tiny_args, tmp_path):
+    records = tmp_path / "records"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"), *tiny_args(records)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for line in proc.stdout:
+            if line.startswith("compiling"):
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "no record log was written" in out
+    assert not records.exists() or not any(records.iterdir())
+
+
+def test_a_bug_is_not_reported_as_bad_input(monkeypatch, tiny_args, tmp_path):
+    """Only the project's own input errors exit 2; a ValueError from the code keeps its traceback."""
+    def planted(*args, **kwargs):
+        raise ValueError("planted bug")
+
+    monkeypatch.setattr(tg, "loss_fn", planted)
+    with pytest.raises(ValueError, match="planted bug"):
+        tg.main(tiny_args(tmp_path / "r"))
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_loss_is_read_one_step_late_without_changing_losses_or_lines(synthetic_shards, tmp_path, capsys):
+    """train() reads step s's loss after dispatching step s + 1: the val losses equal those of a plain
+    synchronous loop over the same batches, and every step gets its line, in order, in the record format."""
+    hp = dataclasses.replace(TINY, num_iterations=6, val_loss_every=3, records_dir=str(tmp_path),
+                             train_files=synthetic_shards["--train-files"], val_files=synthetic_shards["--val-files"])
+    mesh = tg.make_mesh()
+    summary = tg.train(hp, "cpu", mesh, save_path=str(tmp_path / "w.npz"))
+    log = parse_log(summary["log"])
+    assert [s for s, *_ in log.train_steps] == list(range(1, 7))
+    step_lines = [l for l in open(summary["log"]).read().splitlines() if l.startswith("step:") and "val_loss" not in l]
+    assert all(re.fullmatch(r"step:\d+/6 train_time:\d+ms step_avg:\d+\.\d\dms", l) for l in step_lines)
+    assert "ETA" in capsys.readouterr().out  # on the console only
+
+    optimizer = tg.make_optimizer(hp, mesh)
+    params = tg.init_params(hp, hp.seed)
+    state = optimizer.init(params)
+    inputs = tg.check_inputs(hp, mesh)
+    train_step, val_step = tg.compile_steps(hp, mesh, params, state, optimizer)
+    batches = tg.token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows)
+    val_losses = []
+    for step in range(7):
+        window = np.int32(tg.window_blocks(step, hp))
+        if step % 3 == 0:
+            val_losses.append(np.mean([float(val_step(params, x, y, window)) for x, y in inputs.val_batches]))
+        if step < 6:
+            x, y = next(batches)
+            params, state, loss = train_step(params, state, x, y, window)
+            float(loss)
+    np.testing.assert_allclose([v for _, v, *_ in log.val_curve], val_losses, rtol=0, atol=1e-4)
+    saved = tg.load_weights(str(tmp_path / "w.npz"), hp)  # --save-weights wrote the trained weights
+    for name, p in params.items():
+        np.testing.assert_allclose(np.asarray(saved[name], np.float32), np.asarray(p, np.float32), atol=1e-5)

@@ -1,5 +1,6 @@
-"""Muon: Newton–Schulz against SVD, the update against a float64 numpy re-implementation of the
+"""§3 Optimizer: a few steps of the whole optimizer, Muon's Newton–Schulz against SVD and in fp32, the update against a float64 numpy re-implementation of the
 spec, and the device-sharded orthogonalisation against the unsharded one."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import train_gpt as tg
@@ -125,3 +127,28 @@ def test_newton_schulz_bf16_norm_matches_fp32_steps():
     ours = np.asarray(tg.newton_schulz(jnp.asarray(G)), np.float32)
     ratio = np.linalg.norm(ours, axis=(-2, -1)) / np.linalg.norm(X, axis=(-2, -1))
     assert np.all(np.abs(ratio - 1) < 0.003), ratio
+
+
+def test_a_few_optimizer_steps_lower_the_loss():
+    rng = np.random.default_rng()
+    hp = dataclasses.replace(tg.PRESETS["cpu"], seq_len=256)
+    params = tg.init_params(hp, 0)
+    opt = tg.make_optimizer(hp)
+    state = opt.init(params)
+    tokens = jnp.asarray(rng.integers(0, 2000, hp.seq_len + 1), jnp.int32)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = jax.value_and_grad(tg.loss_fn)(params, tokens[:-1], tokens[1:], jnp.int32(1), True)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    losses = []
+    for _ in range(6):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert abs(losses[0] - np.log(50304)) < 1e-3 and losses[-1] < losses[0] - 3, losses
+    assert params["embed.weight"].dtype == jnp.bfloat16 and params["lm_head.weight"].dtype == jnp.float32
+    adam_state = state.inner_states["embed"].inner_state[0]
+    assert adam_state.mu["embed.weight"].dtype == jnp.bfloat16  # bf16 Adam moments for embeddings
+    assert adam_state.nu["embed.weight"].dtype == jnp.bfloat16
