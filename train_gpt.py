@@ -929,6 +929,23 @@ def compile_steps(hp: Hyperparameters, mesh, params, opt_state, optimizer):
             val_step.lower(params, batch, batch, window).compile())
 
 
+class TrainClock:
+    """Milliseconds of training: runs while steps run, paused for validation."""
+
+    def __init__(self):
+        self.done_ms, self.since = 0.0, None
+
+    def ms(self) -> float:
+        return self.done_ms + (0.0 if self.since is None else 1000 * (time.perf_counter() - self.since))
+
+    def run(self):
+        if self.since is None:
+            self.since = time.perf_counter()
+
+    def pause(self):
+        self.done_ms, self.since = self.ms(), None
+
+
 def eta_note(steps_left: int, step_ms: float, validations_left: int, val_s: float) -> str:
     seconds = steps_left * step_ms / 1000 + validations_left * val_s
     return f"  (ETA {seconds / 60:.1f} min)" if seconds >= 1 else ""
@@ -986,17 +1003,14 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         batches = prefetch(token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows), put)
         validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
 
-        # The clock runs while steps run and stops for validation. Step s's loss is read only once
-        # step s + 1 is dispatched, so the devices never wait for the host; its line is written then.
-        done_ms, segment_start, pending, val_s = 0.0, None, None, 0.0
-
-        def clock_ms():
-            return done_ms + (0.0 if segment_start is None else 1000 * (time.perf_counter() - segment_start))
+        # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the
+        # host; its line is written then, with the clock read then.
+        clock, pending, val_s = TrainClock(), None, 0.0
 
         def finish(pending):
             finished, loss = pending
             loss = local_value(loss)  # waits for that step
-            ms = clock_ms()
+            ms = clock.ms()
             if not math.isfinite(loss):
                 raise FloatingPointError(
                     f"non-finite train loss {loss} at step {finished + 1}: usual causes are a learning rate too "
@@ -1010,22 +1024,21 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
                 if pending:
                     finish(pending)
                     pending = None
-                done_ms, segment_start = clock_ms(), None
+                clock.pause()
                 if step == 0:
                     console(f"validating on {hp.val_tokens} tokens ...")
                 t = time.perf_counter()
                 losses = [val_step(params, x, y, window) for x, y in val_batches]
                 val_loss = float(np.mean([local_value(v) for v in losses]))
                 val_s = time.perf_counter() - t
-                say(val_line(step, N, val_loss, done_ms))
+                say(val_line(step, N, val_loss, clock.ms()))
                 if not math.isfinite(val_loss):
                     raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}: usual causes are a "
                                              f"learning rate too high and bad data")
             if step == N:
                 break
             x, y = next(batches)
-            if segment_start is None:
-                segment_start = time.perf_counter()
+            clock.run()
             params, opt_state, loss = train_step(params, opt_state, x, y, window)
             if pending:
                 finish(pending)
@@ -1033,9 +1046,9 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         stats = jax.local_devices()[0].memory_stats() or {}
         summary = {
             "final_val_loss": val_loss,
-            "train_time_ms": done_ms,
-            "step_avg_ms": done_ms / N,
-            "tokens_per_s": N * hp.batch_size / (done_ms / 1000),
+            "train_time_ms": clock.ms(),
+            "step_avg_ms": clock.ms() / N,
+            "tokens_per_s": N * hp.batch_size / (clock.ms() / 1000),
             "compile_s": compile_s,
             "peak_memory_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None,
             "log": log.path if log else None,
