@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
-# The speedrun on this machine, from nothing:
-#   ./run.sh [train_gpt.py options]   set up, make sure data exists, train on all local devices
-#   ./run.sh test [pytest options]    set up, run the test suite
-# Set-up: a virtual environment in .venv (unless one is active), requirements.txt, and the CUDA
-# build of jax when nvidia-smi lists GPUs. Data: FineWeb shards from data/cached_fineweb10B.py;
-# on a machine without GPUs where they cannot be downloaded, synthetic shards (said loudly).
+# The speedrun on this machine, from nothing (usage below). Set-up: a virtual environment in .venv
+# (unless one is active), requirements.txt, and the CUDA build of jax when nvidia-smi lists GPUs.
+# Data: FineWeb shards from data/cached_fineweb10B.py; on a machine without GPUs where they cannot
+# be downloaded, synthetic shards (said loudly).
 # Multi-host: run this script once per process with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
 # and JAX_PROCESS_ID set (or under SLURM / Open MPI); see README.md.
 set -euo pipefail
+# Relative paths (data/..., the data tools' default folders) then mean the repository's, from anywhere.
 cd "$(dirname "$0")"
+
+help=0
+if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
+    for arg in "$@"; do
+        case "$arg" in -h|--help) help=1 ;; esac
+    done
+fi
+if [ "$help" = 1 ]; then  # printed before set-up; help never downloads or writes shards
+    cat <<'EOF'
+usage: ./run.sh [train_gpt.py options]   set up, make sure data exists, train on all local devices
+       ./run.sh test [pytest options]    set up, run the test suite (offline)
+       ./run.sh --help                   this text, then train_gpt.py's options
+
+Set-up: .venv (unless a virtual environment is active) with requirements.txt, plus the CUDA build
+of jax when nvidia-smi lists GPUs. Data: on GPUs, the FineWeb val shard and 8 train shards in
+data/fineweb10B; without GPUs, 1 train shard, or synthetic shards in data/synthetic when FineWeb
+cannot be downloaded. run.sh works in its own folder: relative paths in options start there.
+
+EOF
+fi
 
 if [ -z "${VIRTUAL_ENV:-}" ]; then
     [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -16,6 +35,9 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     source .venv/bin/activate
 fi
 python -m pip install -q --disable-pip-version-check -r requirements.txt
+if [ "$help" = 1 ]; then
+    exec python train_gpt.py --help  # needs the packages, not the data
+fi
 
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -35,7 +57,7 @@ fi
 
 data_flags=()
 if [ "$gpus" -gt 0 ]; then
-    # 8 train shards (190 steps each) cover the record's 1393 steps
+    # the record reads 1393 steps x 524,288 tokens = 730M tokens: 8 train shards of 100M tokens
     python data/cached_fineweb10B.py 8
 elif ! python data/cached_fineweb10B.py 1; then
     cat <<'EOF'
@@ -45,7 +67,11 @@ elif ! python data/cached_fineweb10B.py 1; then
 #  say nothing about FineWeb; they only show that the pipeline trains.          #
 ################################################################################
 EOF
-    [ -e data/synthetic/synthetic_val_000000.bin ] || python data/synthetic.py --out data/synthetic
+    # synthetic.py writes the val shard last, so it marks a complete set. Without it, synthetic.py
+    # writes a set, or stops (exit 2, naming the files) when data/synthetic holds part of one.
+    if [ ! -e data/synthetic/synthetic_val_000000.bin ]; then
+        python data/synthetic.py --out data/synthetic
+    fi
     data_flags=(--train-files 'data/synthetic/synthetic_train_*.bin' --val-files 'data/synthetic/synthetic_val_*.bin')
 fi
 

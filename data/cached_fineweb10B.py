@@ -2,11 +2,13 @@
 
   python data/cached_fineweb10B.py N [--out DIR]
 
-fetches fineweb_val_000000.bin and train shards 1..N (100M tokens each; 8 cover the record's 1393
-steps) from the dataset repo kjj0/fineweb10B-gpt2 into data/fineweb10B/, one file at a time.
+fetches fineweb_val_000000.bin and train shards 1..N (100M tokens each; the repo has 103, and 8 hold
+the record's 1393 steps of 524,288 tokens) from the dataset repo kjj0/fineweb10B-gpt2 into --out
+(default data/fineweb10B, relative to the current folder), one file at a time.
 Shards already present and valid are skipped without touching the network. Every file's header
 and size are checked; a bad one is moved aside (NAME.bad) and reported. Exit code 0 when all N+1
-shards are valid, 1 when a file was bad or the hub refused it, 2 when the hub cannot be reached.
+shards are valid, 1 when a file was bad or the hub refused it, 2 when the hub cannot be reached or
+N is not in 0..103.
 """
 import argparse
 import os
@@ -18,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.shards import ShardError, read_header  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb10B")
+TRAIN_SHARDS = 103  # fineweb_train_000001.bin .. fineweb_train_000103.bin in REPO_ID
+DEFAULT_OUT = os.path.join("data", "fineweb10B")  # relative to the current folder, like every path given
 
 
 class HubUnreachable(RuntimeError):
@@ -40,12 +43,24 @@ def first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
+def name_some(names: list, shown: int = 3) -> str:
+    """The first few names and a count: a message stays short whatever N is."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} file{'s' if len(names) != 1 else ''}: {', '.join(names[:shown])}{more}"
+
+
 def unreachable_message(name: str, missing: list, out_dir: str, e: Exception) -> str:
     connect = ("HF_HUB_OFFLINE is set: unset it" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false")
                else "Connect to the internet (or set HF_ENDPOINT to a reachable mirror)")
+    out_dir = os.path.abspath(out_dir)
     return (f"could not download {name} from the Hugging Face dataset repo {REPO_ID} ({first_line(e)}).\n"
-            f"Missing in {out_dir}: {', '.join(missing)}.\n"
+            f"Missing in {out_dir}: {name_some(missing)}.\n"
             f"{connect} and run again, or copy those shards into {out_dir}.")
+
+
+def count_error(n: int) -> str:
+    return (f"N is {n}, but {REPO_ID} has train shards 1..{TRAIN_SHARDS} (100M tokens each): "
+            f"give N from 0 to {TRAIN_SHARDS}")
 
 
 def is_valid(path: str) -> bool:
@@ -59,6 +74,8 @@ def is_valid(path: str) -> bool:
 def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, log=print) -> list:
     """Make sure the val shard and train shards 1..n exist and are valid; returns the bad files' errors.
     Raises HubUnreachable (with what is missing and what to do) when the hub cannot be reached."""
+    if not 0 <= n <= TRAIN_SHARDS:
+        raise ValueError(count_error(n))
     os.makedirs(out_dir, exist_ok=True)
     names = shard_names(n)
     problems = []
@@ -91,11 +108,12 @@ def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, lo
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("n", type=int, help="number of train shards (100M tokens each)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the shards")
+    parser.add_argument("n", type=int, help=f"number of train shards (100M tokens each), 0..{TRAIN_SHARDS}")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder for the shards, relative to the current folder (default: {DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    if args.n < 0:
-        parser.error("N must be >= 0")
+    if not 0 <= args.n <= TRAIN_SHARDS:
+        parser.error(count_error(args.n))
     try:
         problems = download_shards(args.n, args.out)
     except HubUnreachable as e:
@@ -103,6 +121,8 @@ def main(argv=None) -> int:
         return 2
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
+    if not problems:
+        print(f"{args.n + 1} valid shards in {os.path.abspath(args.out)}")
     return 1 if problems else 0
 
 

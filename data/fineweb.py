@@ -9,8 +9,9 @@ Inputs: .txt files (one document per file, or documents split on lines equal to 
 is preceded by <|endoftext|> (50256) and documents are packed back to back across shards. The first
 shard is the val shard NAME_val_000000.bin, the rest NAME_train_000001.bin, ... Shards appear under
 their final names only when complete (an interrupted run leaves complete shards only), and the tool
-refuses an --out that already holds NAME_* shards. Tokenizing uses all cores (--workers). GPT-2's
-BPE files are fetched by tiktoken once (internet) and cached in TIKTOKEN_CACHE_DIR.
+refuses an --out that already holds NAME_* shards (exit 2). Relative paths are relative to the
+current folder. Tokenizing uses all cores (--workers, in spawned processes). GPT-2's BPE files are
+fetched by tiktoken once (internet) and cached in TIKTOKEN_CACHE_DIR.
 """
 import argparse
 import glob
@@ -24,11 +25,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import read_header, write_shard  # noqa: E402
+from data.shards import read_header, refuse_old_shards, write_shard  # noqa: E402
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb"
 SAMPLE_10BT_FILES = 14  # sample/10BT/000_00000.parquet .. 013_00000.parquet
 CHUNK_DOCS = 256  # documents per task handed to a worker
+OLD_SHARDS_FIX = "Delete them or choose another --out or --name."
 
 
 def input_files(paths: list) -> list:
@@ -40,7 +42,7 @@ def input_files(paths: list) -> list:
         elif os.path.exists(path):
             files.append(path)
         else:
-            raise FileNotFoundError(f"input {path} does not exist")
+            raise FileNotFoundError(f"input {path} does not exist (looked for {os.path.abspath(path)})")
     return files
 
 
@@ -99,9 +101,18 @@ def gpt2_encoding():
 _worker_encoding = None  # set in each pool worker by _init_worker
 
 
-def _init_worker(encoding):
+def _encoding_definition(encoding) -> dict:
+    """Everything needed to rebuild the encoding. Pickling a registered encoding (gpt2) sends only its name,
+    and a spawned worker would then load the BPE files again: if that failed, the pool would respawn it forever."""
+    return dict(name=encoding.name, pat_str=encoding._pat_str, mergeable_ranks=encoding._mergeable_ranks,
+                special_tokens=encoding._special_tokens)
+
+
+def _init_worker(definition):
+    import tiktoken
+
     global _worker_encoding
-    _worker_encoding = encoding
+    _worker_encoding = tiktoken.Encoding(**definition)
 
 
 def _encode_chunk(docs: list) -> np.ndarray:
@@ -149,13 +160,18 @@ def batched(iterable, n: int):
 def tokenize_to_shards(documents, out_dir: str, name: str = "fineweb", shard_tokens: int = 100_000_000,
                        encoding=None, workers: int = 1) -> list:
     """Tokenize an iterable of documents into shards (GPT-2's BPE unless an `encoding` is given). With
-    workers > 1 chunks of documents are encoded in a process pool; imap keeps their order."""
+    workers > 1 chunks of documents are encoded in a process pool; imap keeps their order. Raises
+    FileExistsError, writing nothing, when out_dir already holds NAME_* shards."""
+    refuse_old_shards(out_dir, name, OLD_SHARDS_FIX)
     # Loaded here, once: a pool initializer that fails (no BPE files) would be respawned forever.
     encoding = encoding or gpt2_encoding()
     chunks = batched(documents, CHUNK_DOCS)
     if workers <= 1:
         return write_token_stream((encode_documents(encoding, c) for c in chunks), out_dir, name, shard_tokens)
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoding,)) as pool:
+    # spawn, not fork: the caller may have imported JAX, whose threads a forked child could deadlock on.
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
+                                                     initargs=(_encoding_definition(encoding),))
+    with pool:
         return write_token_stream(pool.imap(_encode_chunk, chunks, chunksize=4), out_dir, name, shard_tokens)
 
 
@@ -200,10 +216,10 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if not files and not k:
         parser.error("no inputs: give files or folders, or --fineweb-sample10bt K")
-    old = glob.glob(os.path.join(args.out, f"{args.name}_*_[0-9][0-9][0-9][0-9][0-9][0-9].bin"))
-    if old:  # a shorter new run would leave stale shards that a --train-files glob still picks up
-        parser.error(f"{args.out} already holds {len(old)} {args.name}_* shards: delete them or choose another "
-                     f"--out or --name")
+    try:  # checked again by tokenize_to_shards; here, before any download
+        refuse_old_shards(args.out, args.name, OLD_SHARDS_FIX)
+    except FileExistsError as e:
+        parser.error(str(e))
     # Everything that can fail fast does so before any download or tokenizing, not hours later.
     if k or any(f.endswith(".parquet") for f in files):
         pyarrow_parquet()
@@ -215,7 +231,7 @@ def main(argv=None) -> int:
     paths = tokenize_to_shards(documents, args.out, args.name, args.shard_tokens, encoding, args.workers)
     seconds = time.perf_counter() - t0
     total = sum(read_header(p) for p in paths)
-    print(f"wrote {len(paths)} shards, {total:,} tokens, to {args.out} in {seconds:.1f}s "
+    print(f"wrote {len(paths)} shards, {total:,} tokens, to {os.path.abspath(args.out)} in {seconds:.1f}s "
           f"({total / seconds:,.0f} tokens/s)")
     return 0
 

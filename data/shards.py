@@ -3,6 +3,7 @@
 A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count N, zeros),
 then N little-endian uint16 GPT-2 token ids: 1024 + 2·N bytes in all.
 """
+import glob
 import os
 
 import numpy as np
@@ -51,8 +52,9 @@ def read_header(path) -> int:
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
     except OSError as e:
-        raise ShardError(f"cannot read shard {path}: {e.strerror}. Download it (python data/cached_fineweb10B.py N), "
-                         f"generate it (data/fineweb.py, data/synthetic.py) or fix the path") from None
+        raise ShardError(f"cannot read shard {os.path.abspath(path)}: {e.strerror}. Download it "
+                         f"(python data/cached_fineweb10B.py N), generate it (data/fineweb.py, data/synthetic.py) "
+                         f"or fix the path") from None
     if size < HEADER_BYTES:
         raise ShardError(f"{path} is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header: truncated? {fix}")
     header = np.frombuffer(raw, "<i4")
@@ -74,3 +76,13 @@ def open_shard(path) -> np.ndarray:
     if count == 0:  # numpy cannot map zero bytes
         return np.zeros(0, "<u2")
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def refuse_old_shards(out_dir: str, name: str, fix: str) -> None:
+    """Raise FileExistsError when out_dir already holds NAME_*.bin shards: new shards written beside them
+    (fewer, or another seed) would leave old ones that a NAME_train_*.bin glob still picks up."""
+    old = sorted(glob.glob(os.path.join(glob.escape(out_dir), f"{glob.escape(name)}_*.bin")))
+    if old:
+        shown = ", ".join(os.path.basename(p) for p in old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
+        raise FileExistsError(f"{os.path.abspath(out_dir)} already holds {len(old)} {name}_* shards ({shown}); "
+                              f"new shards beside them would mix two datasets under one glob. {fix}")

@@ -6,9 +6,12 @@ document ends with probability 1/mean_doc_len after each token. Every document s
 as in FineWeb shards. A model that learns the bigram table reaches a loss near the table's entropy
 (at most ln(successors)), far below ln(50304).
 
-  python data/synthetic.py --out data/synthetic [--seed 0] [--train-tokens N] [--val-tokens M] [--shard-tokens S]
+  python data/synthetic.py [--out data/synthetic] [--seed 0] [--train-tokens N] [--val-tokens M] [--shard-tokens S]
 
-writes synthetic_val_000000.bin and synthetic_train_000001.bin, ... in the shard format.
+writes synthetic_val_000000.bin and synthetic_train_000001.bin, ... in the shard format, into --out
+(relative to the current folder). It refuses a folder that already holds synthetic_* shards (exit 2,
+nothing written): delete them or choose another --out. The val shard is written last, so a folder
+with the val shard holds a complete set (run.sh relies on this).
 """
 import argparse
 import os
@@ -18,7 +21,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import EOT, write_shard  # noqa: E402
+from data.shards import EOT, refuse_old_shards, write_shard  # noqa: E402
 
 STREAM_TOKENS = 4000  # tokens per independent stream; streams are advanced together (vectorised)
 
@@ -53,20 +56,23 @@ def synthetic_tokens(n: int, seed: int, stream: int = 1, mean_doc_len: int = 400
 
 def write_synthetic_shards(out_dir: str, seed: int = 0, train_tokens: int = 20_000_000, val_tokens: int = 2_000_000,
                            shard_tokens: int = 10_000_000) -> list:
-    """The val shard (its own random stream) then train shards of shard_tokens each; returns their paths."""
+    """Train shards of shard_tokens each, then the val shard (its own random stream); returns their paths, val
+    first. Raises FileExistsError, writing nothing, when out_dir already holds synthetic_* shards."""
+    refuse_old_shards(out_dir, "synthetic", "Delete them or choose another --out.")
     os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, "synthetic_val_000000.bin")]
-    write_shard(paths[0], synthetic_tokens(val_tokens, seed, stream=2))
     train = synthetic_tokens(train_tokens, seed, stream=1)
+    paths = [os.path.join(out_dir, "synthetic_val_000000.bin")]
     for i, start in enumerate(range(0, train_tokens, shard_tokens)):
         paths.append(os.path.join(out_dir, f"synthetic_train_{i + 1:06d}.bin"))
         write_shard(paths[-1], train[start:start + shard_tokens])
+    write_shard(paths[0], synthetic_tokens(val_tokens, seed, stream=2))  # last: its presence marks a complete set
     return paths
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "synthetic"))
+    parser.add_argument("--out", default=os.path.join("data", "synthetic"),
+                        help="folder for the shards, relative to the current folder (default: data/synthetic)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-tokens", type=int, default=20_000_000)
     parser.add_argument("--val-tokens", type=int, default=2_000_000)
@@ -75,10 +81,13 @@ def main(argv=None):
     if min(args.train_tokens, args.val_tokens) < 0 or args.shard_tokens < 1:
         parser.error("token counts must be >= 0 and --shard-tokens >= 1")
     t0 = time.perf_counter()
-    paths = write_synthetic_shards(args.out, args.seed, args.train_tokens, args.val_tokens, args.shard_tokens)
+    try:
+        paths = write_synthetic_shards(args.out, args.seed, args.train_tokens, args.val_tokens, args.shard_tokens)
+    except FileExistsError as e:
+        parser.error(str(e))
     seconds = time.perf_counter() - t0
     total = args.train_tokens + args.val_tokens
-    print(f"wrote {len(paths)} synthetic shards ({total:,} tokens) to {args.out} in {seconds:.1f}s "
+    print(f"wrote {len(paths)} synthetic shards ({total:,} tokens) to {os.path.abspath(args.out)} in {seconds:.1f}s "
           f"({total / seconds:,.0f} tokens/s)")
 
 

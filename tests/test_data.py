@@ -1,7 +1,11 @@
 """data/: the shard format, the downloader (offline), the tokenizer and the synthetic shards."""
 import json
 import os
+import shutil
+import subprocess
+import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +19,8 @@ from huggingface_hub.errors import RemoteEntryNotFoundError  # noqa: E402
 
 from data import cached_fineweb10B, fineweb, synthetic  # noqa: E402
 from data.shards import EOT, HEADER_BYTES, ShardError, open_shard, read_header, write_shard  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- shard format
@@ -55,9 +61,11 @@ def test_damaged_shards_are_rejected_with_the_file_name(tmp_path, damage):
         open_shard(str(path))
 
 
-def test_a_missing_shard_is_named(tmp_path):
-    with pytest.raises(ShardError, match="nowhere.bin"):
-        read_header(str(tmp_path / "nowhere.bin"))
+def test_a_missing_shard_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ShardError) as e:
+        read_header(os.path.join("sub", "nowhere.bin"))
+    assert str(tmp_path / "sub" / "nowhere.bin") in str(e.value)
 
 
 def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
@@ -89,6 +97,26 @@ def test_offline_download_fails_fast_and_names_the_repo(tmp_path, capsys, monkey
     assert time.perf_counter() - t0 < 5
     err = capsys.readouterr().err
     assert code == 2 and "kjj0/fineweb10B-gpt2" in err and "fineweb_train_000001.bin" in err
+
+
+@pytest.mark.parametrize("n", [-1, 104, 100_000])
+def test_download_count_is_bounded_by_the_dataset(tmp_path, capsys, n):
+    with pytest.raises(SystemExit) as e:
+        cached_fineweb10B.main([str(n), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"N is {n}" in err and "1..103" in err and len(err) < 1000
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="1..103"):
+        cached_fineweb10B.download_shards(n, str(tmp_path / "out"), fake_hub([]), log=lambda *_: None)
+
+
+def test_offline_error_for_all_103_shards_stays_short(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert cached_fineweb10B.main(["103", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"Missing in {tmp_path}: 104 files: fineweb_val_000000.bin, fineweb_train_000001.bin, " \
+           "fineweb_train_000002.bin and 101 more." in err
+    assert "fineweb_train_000003.bin" not in err and len(err) < 1000
 
 
 def fake_hub(calls):
@@ -182,9 +210,27 @@ def test_tokenizer_cli_writes_shards_and_refuses_to_mix_with_old_ones(tmp_path, 
     assert fineweb.main(args) == 0
     assert sorted(os.listdir(tmp_path / "out")) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]  # 5 x 441
     assert "tokens/s" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
+    before = {p: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    with pytest.raises(SystemExit) as e:
         fineweb.main(args)
-    assert "already holds 2 fineweb_* shards" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "already holds 2 fineweb_* shards" in err
+    assert "fineweb_train_000001.bin, fineweb_val_000000.bin" in err and "--out or --name" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    with pytest.raises(FileExistsError):  # the library function refuses too
+        fineweb.tokenize_to_shards(["a document"], str(tmp_path / "out"), encoding=byte_encoding())
+
+
+def test_spawned_tokenizer_workers_do_not_fork_a_process_running_jax(tmp_path):
+    jax = pytest.importorskip("jax")
+    jax.devices()  # from now on JAX warns on every os.fork() in this process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paths = fineweb.tokenize_to_shards(["some text " * 50] * 600, str(tmp_path), "w", 10_000,
+                                           encoding=byte_encoding(), workers=2)
+    assert [str(w.message) for w in caught if "fork" in str(w.message)] == []
+    expected = np.tile([EOT] + byte_encoding().encode_ordinary("some text " * 50), 600)
+    np.testing.assert_array_equal(np.concatenate([open_shard(p) for p in paths]), expected)
 
 
 def test_interrupted_tokenization_leaves_only_complete_shards(tmp_path):
@@ -225,6 +271,29 @@ def test_synthetic_shards_are_deterministic_and_learnable(tmp_path):
     assert cross_entropy < 0.5 * np.log(V)
 
 
+def test_synthetic_refuses_a_folder_with_shards_and_touches_nothing(tmp_path, capsys):
+    out = tmp_path / "syn"
+    synthetic.main(["--out", str(out), "--train-tokens", "3000", "--val-tokens", "500", "--shard-tokens", "1500"])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["synthetic_train_000001.bin", "synthetic_train_000002.bin", "synthetic_val_000000.bin"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # one shard, another seed: would have left train_000002 of the old set
+        synthetic.main(["--out", str(out), "--seed", "7", "--train-tokens", "1000", "--val-tokens", "500"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{out} already holds 3 synthetic_* shards" in err
+    assert "synthetic_train_000001.bin, synthetic_train_000002.bin, synthetic_val_000000.bin" in err
+    assert "Delete them or choose another --out" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_synthetic_val_shard_is_written_last(tmp_path, monkeypatch):
+    """run.sh takes a folder with the val shard as a complete set."""
+    written = []
+    monkeypatch.setattr(synthetic, "write_shard", lambda path, tokens: written.append(os.path.basename(path)))
+    synthetic.write_synthetic_shards(str(tmp_path), 0, 3000, 500, 1000)
+    assert written == [f"synthetic_train_{i:06d}.bin" for i in (1, 2, 3)] + ["synthetic_val_000000.bin"]
+
+
 def counts_of(seen, queries):
     """How often each query value occurs in `seen`."""
     values, counts = np.unique(seen, return_counts=True)
@@ -241,3 +310,42 @@ def test_missing_gpt2_bpe_fails_at_once_instead_of_respawning_workers(tmp_path, 
     with pytest.raises(SystemExit, match="GPT-2 BPE"):
         fineweb.tokenize_to_shards(["a document"] * 10, str(tmp_path), workers=2)
     assert time.perf_counter() - t0 < 10
+
+
+# ---- paths and run.sh
+
+
+def run_tool(args, cwd):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_data_tools_default_folders_are_relative_to_the_current_folder(tmp_path):
+    r = run_tool([str(ROOT / "data" / "synthetic.py"), "--train-tokens", "2000", "--val-tokens", "500"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data" / "synthetic"
+    assert sorted(os.listdir(out)) == ["synthetic_train_000001.bin", "synthetic_val_000000.bin"]
+    assert str(out) in r.stdout  # the message names the absolute folder
+    r = run_tool([str(ROOT / "data" / "cached_fineweb10B.py"), "1"], tmp_path)
+    assert r.returncode == 2 and f"Missing in {tmp_path / 'data' / 'fineweb10B'}: 2 files" in r.stderr
+    r = run_tool([str(ROOT / "data" / "fineweb.py"), "nowhere.txt", "--out", "x"], tmp_path)
+    assert r.returncode == 2 and str(tmp_path / "nowhere.txt") in r.stderr
+
+
+def test_run_sh_help_answers_before_any_data_work(tmp_path):
+    """run.sh --help prints its usage and train_gpt.py's options, without downloading or writing shards."""
+    repo = tmp_path / "repo"  # a copy without data: what run.sh would download or generate shows up in it
+    (repo / "data").mkdir(parents=True)
+    sources = [p.relative_to(ROOT) for p in (ROOT / "data").glob("*.py")]
+    for name in ["run.sh", "train_gpt.py", "requirements.txt", *sources]:
+        shutil.copy2(ROOT / name, repo / name)
+    venv_bin = os.path.dirname(sys.executable)
+    env = dict(os.environ, VIRTUAL_ENV=os.path.dirname(venv_bin), PATH=venv_bin + os.pathsep + os.environ["PATH"],
+               HF_HUB_OFFLINE="1", PIP_NO_INDEX="1")  # the packages are here already: no network needed
+    r = subprocess.run([str(repo / "run.sh"), "--num-iterations", "5", "--help"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: ./run.sh [train_gpt.py options]")
+    assert "--num-iterations" in r.stdout and "--train-files" in r.stdout  # train_gpt.py --help
+    assert list(repo.rglob("*.bin")) == [] and not (repo / "data" / "fineweb10B").exists()
+    assert not (repo / "data" / "synthetic").exists()
