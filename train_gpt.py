@@ -26,6 +26,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -140,7 +142,8 @@ def next_multiple(n: int, k: int) -> int:
 #
 # Shape suffixes (x_TxD): T tokens of a sequence, D model dim, H heads, K head dim (128), V vocabulary
 # rows (padded to 50304), N 128-token blocks of a sequence, B tokens per block (128), C tokens of a
-# loss chunk, F rotary frequencies, O x I a weight matrix's (out, in).
+# loss chunk, F rotary frequencies, O x I a weight matrix's (out, in); in the attention kernels J and
+# Q are the keys and queries of one loop tile.
 
 ATTN_SCALE = 0.12
 RMS_EPS = float(np.finfo(np.float32).eps)  # torch's F.rms_norm default for bf16/fp32 inputs
@@ -321,7 +324,231 @@ def _xla_attention_vjp_bwd(res, dout_TxHxK):
 block_sparse_attention.defvjp(_xla_attention_vjp_fwd, _xla_attention_vjp_bwd)
 
 
-ATTENTION = {"xla": block_sparse_attention}  # --attention: implementations of the same rule
+# The same attention as fused Pallas kernels (Triton on GPUs); the caller picks this or the XLA path.
+# Grid (query block n of BLOCK tokens, head h). The runtime window never reaches a kernel: XLA turns
+# (W, docs) into two int32 tables, so one compiled kernel serves every window:
+#   lo_N[n] = first key block query block n sees, hi_N[j] = last query block that sees key block j.
+# Both also drop the blocks a document boundary masks entirely (as FlexAttention's block mask does)
+# and test the same two conditions, so the forward and dq kernels (key blocks lo_N[n]..n) and the
+# dk/dv kernel (query blocks j..hi_N[j]) visit the same block pairs; the token mask does the rest.
+# k, v (q, dout for dk/dv) stay whole-sequence refs in HBM; a loop step loads `tile` rows of them.
+# Off GPU the same kernels run in Pallas interpret mode: exact, slow, for tests.
+
+LOG2_E = math.log2(math.e)  # scores are kept in log2 units: exp2 is one GPU instruction, exp is several
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked row never computes inf - inf
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTuning:
+    """Triton knobs of one kernel. tile: rows of the looped-over operand loaded per loop step
+    (k, v in the forward and dq kernels; q, dout in the dk/dv kernel)."""
+
+    tile: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        if self.tile not in (16, 32, 64, 128):  # a power of two (Triton), >= 16 (MMA), dividing BLOCK
+            raise ValueError(f"KernelTuning tile {self.tile}: use 16, 32, 64 or 128")
+
+
+# Starting points, not yet tuned on a GPU. At 8 warps an fp32 128 x 128 tile is 64 registers per
+# thread: the forward holds its accumulator and 128 x tile scores (tile 128, 8 warps: jax's mha
+# forward defaults); dq holds one and dk/dv two 128 x 128 accumulators, so their tiles are halved.
+# Two stages of the forward's k and v tiles take 128 KB of the H100's 227 KB shared memory.
+PALLAS_FWD = KernelTuning(tile=128, num_warps=8, num_stages=2)
+PALLAS_DQ = KernelTuning(tile=64, num_warps=8, num_stages=2)
+PALLAS_DKV = KernelTuning(tile=64, num_warps=8, num_stages=2)
+
+
+def _block_tables(docs_T, window):
+    """(lo_N, hi_N) int32. Key block j meets query block n >= j iff n - j < W and they share a document,
+    which for nondecreasing docs is last doc of block j >= first doc of block n."""
+    N = docs_T.shape[0] // BLOCK
+    docs_NxB = docs_T.reshape(N, BLOCK)
+    first_N, last_N = docs_NxB[:, 0], docs_NxB[:, -1]
+    n_N = jnp.arange(N, dtype=jnp.int32)
+    w = jnp.clip(window, 1, N).astype(jnp.int32)
+    lo_doc_N = jnp.searchsorted(last_N, first_N, side="left", method="compare_all")
+    hi_doc_N = jnp.searchsorted(first_N, last_N, side="right", method="compare_all") - 1
+    return jnp.maximum(n_N - w + 1, lo_doc_N).astype(jnp.int32), jnp.minimum(n_N + w - 1, hi_doc_N).astype(jnp.int32)
+
+
+def _dot_nt(a, b):  # a @ b.T, fp32 accumulation
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot_nn(a, b):  # a @ b, fp32 accumulation
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _visible(q_pos, q_docs, k_pos, k_docs):
+    # inside a visited block pair the window holds already (tables); causal and same document remain
+    return (q_pos >= k_pos) & (q_docs == k_docs)
+
+
+def _fwd_kernel(lo_ref, docs_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, tile):
+    n = pl.program_id(0)
+    q_BxK = q_ref[...]
+    q_pos_B = n * BLOCK + jnp.arange(BLOCK)
+    q_docs_B = docs_ref[pl.ds(pl.multiple_of(n * BLOCK, BLOCK), BLOCK)]
+
+    def step(i, carry):  # tile i counts back from the diagonal: with tile = BLOCK each row sees itself first
+        acc_BxK, m_B, l_B = carry
+        k_start = pl.multiple_of((n + 1) * BLOCK - (i + 1) * tile, tile)
+        ks = pl.ds(k_start, tile)
+        s_BxJ = _dot_nt(q_BxK, k_ref[ks, :]) * (ATTN_SCALE * LOG2_E)
+        k_pos_J = k_start + jnp.arange(tile)
+        visible = _visible(q_pos_B[:, None], q_docs_B[:, None], k_pos_J[None, :], docs_ref[ks][None, :])
+        s_BxJ = jnp.where(visible, s_BxJ, MASK_VALUE)
+        m_new_B = jnp.maximum(m_B, s_BxJ.max(axis=1))
+        p_BxJ = jnp.exp2(s_BxJ - m_new_B[:, None])
+        alpha_B = jnp.exp2(m_B - m_new_B)  # 0 when a row meets its first visible key: drops the junk of masked tiles
+        v_JxK = v_ref[ks, :]
+        acc_BxK = acc_BxK * alpha_B[:, None] + _dot_nn(p_BxJ.astype(v_JxK.dtype), v_JxK)
+        return acc_BxK, m_new_B, l_B * alpha_B + p_BxJ.sum(axis=1)
+
+    init = (jnp.zeros(q_BxK.shape, F32), jnp.full((BLOCK,), MASK_VALUE, F32), jnp.zeros((BLOCK,), F32))
+    acc_BxK, m_B, l_B = jax.lax.fori_loop(0, (n - lo_ref[n] + 1) * (BLOCK // tile), step, init)
+    out_ref[...] = (acc_BxK / l_B[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = m_B / LOG2_E + jnp.log(l_B)
+
+
+def _dq_kernel(lo_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq_ref, *, tile):
+    n = pl.program_id(0)
+    q_BxK, dout_BxK = q_ref[...], dout_ref[...]
+    lse_B, delta_B = lse_ref[...] * LOG2_E, delta_ref[...]
+    q_pos_B = n * BLOCK + jnp.arange(BLOCK)
+    q_docs_B = docs_ref[pl.ds(pl.multiple_of(n * BLOCK, BLOCK), BLOCK)]
+    lo = lo_ref[n]
+
+    def step(i, dq_BxK):
+        k_start = pl.multiple_of(lo * BLOCK + i * tile, tile)
+        ks = pl.ds(k_start, tile)
+        k_JxK = k_ref[ks, :]
+        s_BxJ = _dot_nt(q_BxK, k_JxK) * (ATTN_SCALE * LOG2_E)
+        k_pos_J = k_start + jnp.arange(tile)
+        visible = _visible(q_pos_B[:, None], q_docs_B[:, None], k_pos_J[None, :], docs_ref[ks][None, :])
+        p_BxJ = jnp.where(visible, jnp.exp2(s_BxJ - lse_B[:, None]), 0.0)
+        ds_BxJ = p_BxJ * (_dot_nt(dout_BxK, v_ref[ks, :]) - delta_B[:, None]) * ATTN_SCALE
+        return dq_BxK + _dot_nn(ds_BxJ.astype(k_JxK.dtype), k_JxK)
+
+    dq_BxK = jax.lax.fori_loop(0, (n - lo + 1) * (BLOCK // tile), step, jnp.zeros(q_BxK.shape, F32))
+    dq_ref[...] = dq_BxK.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(hi_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, tile):
+    # works on transposed scores (keys x queries) so that every product is a @ b or a @ b.T
+    j = pl.program_id(0)
+    k_BxK, v_BxK = k_ref[...], v_ref[...]
+    k_pos_B = j * BLOCK + jnp.arange(BLOCK)
+    k_docs_B = docs_ref[pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK)]
+
+    def step(i, carry):
+        dk_BxK, dv_BxK = carry
+        q_start = pl.multiple_of(j * BLOCK + i * tile, tile)
+        qs = pl.ds(q_start, tile)
+        q_QxK, dout_QxK = q_ref[qs, :], dout_ref[qs, :]
+        lse_Q, delta_Q = lse_ref[qs] * LOG2_E, delta_ref[qs]
+        s_BxQ = _dot_nt(k_BxK, q_QxK) * (ATTN_SCALE * LOG2_E)
+        q_pos_Q = q_start + jnp.arange(tile)
+        visible = _visible(q_pos_Q[None, :], docs_ref[qs][None, :], k_pos_B[:, None], k_docs_B[:, None])
+        p_BxQ = jnp.where(visible, jnp.exp2(s_BxQ - lse_Q[None, :]), 0.0)
+        dv_BxK = dv_BxK + _dot_nn(p_BxQ.astype(dout_QxK.dtype), dout_QxK)
+        ds_BxQ = p_BxQ * (_dot_nt(v_BxK, dout_QxK) - delta_Q[None, :]) * ATTN_SCALE
+        return dk_BxK + _dot_nn(ds_BxQ.astype(q_QxK.dtype), q_QxK), dv_BxK
+
+    zeros = jnp.zeros(k_BxK.shape, F32)
+    dk_BxK, dv_BxK = jax.lax.fori_loop(0, (hi_ref[j] - j + 1) * (BLOCK // tile), step, (zeros, zeros))
+    dk_ref[...] = dk_BxK.astype(dk_ref.dtype)
+    dv_ref[...] = dv_BxK.astype(dv_ref.dtype)
+
+
+def _pallas(kernel, tuning, name, **call):
+    """The kernel as Triton when lowered for CUDA (explicit Triton params: jax 0.10 would pick Mosaic GPU),
+    anywhere else the same kernel in interpret mode."""
+    def build(interpret):
+        params = pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
+        return pl.pallas_call(partial(kernel, tile=tuning.tile), compiler_params=params, interpret=interpret,
+                              name=name, **call)
+
+    return lambda *args: jax.lax.platform_dependent(*args, cuda=build(False), default=build(True))
+
+
+def _pallas_specs(T, K):
+    """Block specs over the grid (n, h): tables, docs, block n of head h, all of head h, and the same
+    two for H x T rows (lse, delta)."""
+    whole = lambda n, h: (0,)  # noqa: E731
+    return (pl.BlockSpec((T // BLOCK,), whole), pl.BlockSpec((T,), whole),
+            pl.BlockSpec((BLOCK, None, K), lambda n, h: (n, h, 0)), pl.BlockSpec((T, None, K), lambda n, h: (0, h, 0)),
+            pl.BlockSpec((None, BLOCK), lambda n, h: (h, n)), pl.BlockSpec((None, T), lambda n, h: (h, 0)))
+
+
+def _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T):
+    T, H, K = q_TxHxK.shape
+    problems = []
+    if k_TxHxK.shape != q_TxHxK.shape or v_TxHxK.shape != q_TxHxK.shape:
+        problems.append(f"q, k, v shapes {q_TxHxK.shape}, {k_TxHxK.shape}, {v_TxHxK.shape} differ: pass (T, H, K) each")
+    if T % BLOCK:
+        problems.append(f"T = {T} is not a multiple of {BLOCK}: pad the sequence")
+    if K not in (16, 32, 64, 128, 256):
+        problems.append(f"head dim {K}: Triton needs a power of two in 16..256")
+    if docs_T.shape != (T,):
+        problems.append(f"docs shape {docs_T.shape}: pass one document id per token, ({T},)")
+    if problems:
+        raise ValueError("pallas_attention: " + "; ".join(problems))
+    return T, H, K
+
+
+def _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, tuning=PALLAS_FWD):
+    """(out_TxHxK, lse_HxT). lse_HxT[h, t] = natural log of the softmax denominator of query t in head h
+    (fp32, head-major: the XLA path's N x H x B lse transposed to H x N x B, reshaped)."""
+    T, H, K = _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T)
+    lo_N, _ = _block_tables(docs_T, window)
+    table, docs, blk, seq, rows_blk, _ = _pallas_specs(T, K)
+    out_shape = (jax.ShapeDtypeStruct.like(q_TxHxK), jax.ShapeDtypeStruct((H, T), F32))
+    call = _pallas(_fwd_kernel, tuning, "attention_fwd", grid=(T // BLOCK, H), out_shape=out_shape,
+                   in_specs=[table, docs, blk, seq, seq], out_specs=(blk, rows_blk))
+    return call(lo_N, docs_T, q_TxHxK, k_TxHxK, v_TxHxK)
+
+
+def _pallas_attention_backward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out_TxHxK, lse_HxT, dout_TxHxK,
+                               dq_tuning=PALLAS_DQ, dkv_tuning=PALLAS_DKV):
+    """(dq, dk, dv) from the saved lse; delta = rowsum(out * dout) is cheap in XLA."""
+    T, H, K = q_TxHxK.shape
+    lo_N, hi_N = _block_tables(docs_T, window)
+    delta_HxT = jnp.einsum("thd,thd->ht", out_TxHxK.astype(F32), dout_TxHxK.astype(F32))
+    table, docs, blk, seq, rows_blk, rows_seq = _pallas_specs(T, K)
+    like = jax.ShapeDtypeStruct.like
+    dq = _pallas(_dq_kernel, dq_tuning, "attention_dq", grid=(T // BLOCK, H), out_shape=like(q_TxHxK),
+                 in_specs=[table, docs, blk, seq, seq, blk, rows_blk, rows_blk], out_specs=blk)
+    dkv = _pallas(_dkv_kernel, dkv_tuning, "attention_dkv", grid=(T // BLOCK, H),
+                  out_shape=(like(k_TxHxK), like(v_TxHxK)),
+                  in_specs=[table, docs, seq, blk, blk, seq, rows_seq, rows_seq], out_specs=(blk, blk))
+    args = (docs_T, q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK, lse_HxT, delta_HxT)
+    return (dq(lo_N, *args), *dkv(hi_N, *args))
+
+
+@jax.custom_vjp
+def pallas_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
+    """block_sparse_attention as a Pallas kernel (same rule, arguments and result). docs_T must be
+    nondecreasing (as cumsum(tokens == EOT) is): the block tables rely on it."""
+    return _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)[0]
+
+
+def _pallas_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
+    out, lse_HxT = _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)
+    return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out, lse_HxT)
+
+
+def _pallas_bwd(res, dout_TxHxK):
+    return (*_pallas_attention_backward(*res, dout_TxHxK), None, None)
+
+
+pallas_attention.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+ATTENTION = {"xla": block_sparse_attention, "pallas": pallas_attention}  # --attention: the same rule
 
 
 def causal_self_attention(params, i, x_TxD, ve_TxD, docs_T, window, cos, sin, attend):
