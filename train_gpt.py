@@ -142,8 +142,8 @@ def next_multiple(n: int, k: int) -> int:
 #
 # Shape suffixes (x_TxD): T tokens of a sequence, D model dim, H heads, K head dim (128), V vocabulary
 # rows (padded to 50304), N 128-token blocks of a sequence, B tokens per block (128), C tokens of a
-# loss chunk, F rotary frequencies, O x I a weight matrix's (out, in); in the attention kernels J and
-# Q are the keys and queries of one loop tile.
+# loss chunk, F rotary frequencies, O x I a weight matrix's (out, in), R sequences per device (§6);
+# in the attention kernels J and Q are the keys and queries of one loop tile.
 
 ATTN_SCALE = 0.12
 RMS_EPS = float(np.finfo(np.float32).eps)  # torch's F.rms_norm default for bf16/fp32 inputs
@@ -536,16 +536,16 @@ def pallas_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
     return _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)[0]
 
 
-def _pallas_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
+def _pallas_attention_vjp_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
     out, lse_HxT = _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)
     return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out, lse_HxT)
 
 
-def _pallas_bwd(res, dout_TxHxK):
+def _pallas_attention_vjp_bwd(res, dout_TxHxK):
     return (*_pallas_attention_backward(*res, dout_TxHxK), None, None)
 
 
-pallas_attention.defvjp(_pallas_fwd, _pallas_bwd)
+pallas_attention.defvjp(_pallas_attention_vjp_fwd, _pallas_attention_vjp_bwd)
 
 
 ATTENTION = {"xla": block_sparse_attention, "pallas": pallas_attention}  # --attention: the same rule
