@@ -1178,10 +1178,61 @@ def eta_note(steps_left: int, step_ms: float, validations_left: int, val_s: floa
     return f"  (ETA {seconds / 60:.1f} min)" if seconds >= 1 else ""
 
 
+def run_steps(hp: Hyperparameters, say, console, train_step, val_step, params, opt_state, batches, val_batches):
+    """The schedule: N steps, validation every val_loss_every steps and at the end. Writes the step
+    and val lines; returns (params, final val loss, train ms). An Interrupted raised inside gets the
+    step it happened at (.step)."""
+    N = hp.num_iterations
+    validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
+    # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the
+    # host; its line is written then, with the clock read then.
+    clock, pending, val_s, step = TrainClock(), None, 0.0, 0
+
+    def finish(pending):
+        finished, loss = pending
+        loss = local_value(loss)  # waits for that step
+        ms = clock.ms()
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite train loss {loss} at step {finished + 1}: usual causes are a learning rate too "
+                f"high for this batch or model (--muon-lr, --embed-lr, ...) and bad data (check the shards)")
+        left = [v for v in validations if v > finished]
+        say(train_line(finished + 1, N, ms), eta_note(N - finished - 1, ms / (finished + 1), len(left), val_s))
+
+    try:
+        for step in range(N + 1):
+            window = np.int32(window_blocks(step, hp))
+            if step in validations:
+                if pending:
+                    finish(pending)
+                    pending = None
+                clock.pause()
+                if step == 0:
+                    console(f"validating on {hp.val_tokens} tokens ...")
+                t = time.perf_counter()
+                losses = [val_step(params, x, y, window) for x, y in val_batches]  # all dispatched, then read
+                val_loss = float(np.mean([local_value(v) for v in losses]))
+                val_s = time.perf_counter() - t
+                say(val_line(step, N, val_loss, clock.ms()))
+                if not math.isfinite(val_loss):
+                    raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}: usual causes are a "
+                                             f"learning rate too high and bad data")
+            if step == N:
+                return params, val_loss, clock.ms()
+            x, y = next(batches)
+            clock.run()
+            params, opt_state, loss = train_step(params, opt_state, x, y, window)
+            if pending:
+                finish(pending)
+            pending = (step, loss)
+    except Interrupted as e:
+        e.step = step
+        raise
+
+
 def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_path: str = None) -> dict:
     """Run the whole speedrun; returns the summary. Bad input raises ConfigError/DataError before
     anything is written; the record log is opened once the steps are compiled."""
-    N = hp.num_iterations
     main_process = jax.process_index() == 0
 
     def console(text):
@@ -1192,15 +1243,16 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         raise Interrupted(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    log, batches, step = None, None, 0
+    log, batches = None, None
+
+    def say(text, console_note=""):
+        if log:
+            log.write(text, console_note)
+
     try:
         console("checking shards and flags ...")
         inputs = check_inputs(hp, mesh, init_path, save_path)
         rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
-
-        def put(batch):
-            return tuple(jax.make_array_from_process_local_data(rows, x) for x in batch)
-
         optimizer = make_optimizer(hp, mesh)
         if init_path:
             params = jax.device_put(load_weights(init_path, hp), replicated)
@@ -1212,70 +1264,29 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         train_step, val_step = compile_steps(hp, mesh, params, opt_state, optimizer)
         compile_s = time.perf_counter() - t0
 
-        log = RecordLog(new_log_path(hp.records_dir)) if main_process else None
-
-        def say(text, console_note=""):
-            if log:
-                log.write(text, console_note)
-
-        if log:
+        if main_process:
+            log = RecordLog(new_log_path(hp.records_dir))
             log_header(log, hp, preset)
-        say(f"preset {preset}: {N} steps x {hp.batch_size} tokens, {mesh.size} device(s), {inputs.per_device} "
-            f"sequence(s) of {hp.seq_len} per device per step; log {log.path if log else '-'}")
+        say(f"preset {preset}: {hp.num_iterations} steps x {hp.batch_size} tokens, {mesh.size} device(s), "
+            f"{inputs.per_device} sequence(s) of {hp.seq_len} per device per step; log {log.path if log else '-'}")
         if init_path:
             say(f"initial weights: {os.path.abspath(init_path)}")
         say(f"compile: {compile_s:.1f}s for the train and validation steps (persistent cache: "
             f"{hp.compile_cache_dir or 'off'})")
+
+        def put(batch):
+            return tuple(jax.make_array_from_process_local_data(rows, x) for x in batch)
+
         val_batches = [put(b) for b in inputs.val_batches]
         batches = prefetch(token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows), put)
-        validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
-
-        # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the
-        # host; its line is written then, with the clock read then.
-        clock, pending, val_s = TrainClock(), None, 0.0
-
-        def finish(pending):
-            finished, loss = pending
-            loss = local_value(loss)  # waits for that step
-            ms = clock.ms()
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite train loss {loss} at step {finished + 1}: usual causes are a learning rate too "
-                    f"high for this batch or model (--muon-lr, --embed-lr, ...) and bad data (check the shards)")
-            left = [v for v in validations if v > finished]
-            say(train_line(finished + 1, N, ms), eta_note(N - finished - 1, ms / (finished + 1), len(left), val_s))
-
-        for step in range(N + 1):
-            window = np.int32(window_blocks(step, hp))
-            if step in validations:
-                if pending:
-                    finish(pending)
-                    pending = None
-                clock.pause()
-                if step == 0:
-                    console(f"validating on {hp.val_tokens} tokens ...")
-                t = time.perf_counter()
-                losses = [val_step(params, x, y, window) for x, y in val_batches]
-                val_loss = float(np.mean([local_value(v) for v in losses]))
-                val_s = time.perf_counter() - t
-                say(val_line(step, N, val_loss, clock.ms()))
-                if not math.isfinite(val_loss):
-                    raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}: usual causes are a "
-                                             f"learning rate too high and bad data")
-            if step == N:
-                break
-            x, y = next(batches)
-            clock.run()
-            params, opt_state, loss = train_step(params, opt_state, x, y, window)
-            if pending:
-                finish(pending)
-            pending = (step, loss)
+        params, val_loss, train_ms = run_steps(hp, say, console, train_step, val_step, params, opt_state, batches,
+                                               val_batches)
         stats = jax.local_devices()[0].memory_stats() or {}
         summary = {
             "final_val_loss": val_loss,
-            "train_time_ms": clock.ms(),
-            "step_avg_ms": clock.ms() / N,
-            "tokens_per_s": N * hp.batch_size / (clock.ms() / 1000),
+            "train_time_ms": train_ms,
+            "step_avg_ms": train_ms / hp.num_iterations,
+            "tokens_per_s": hp.num_iterations * hp.batch_size / (train_ms / 1000),
             "compile_s": compile_s,
             "peak_memory_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None,
             "log": log.path if log else None,
@@ -1287,13 +1298,12 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         say("run complete")
     except Interrupted as e:
         if log:
-            say(f"interrupted at step {step} ({e})")
+            say(f"interrupted at step {getattr(e, 'step', 0)} ({e})")
         else:
             console(f"interrupted ({e}) before training started; no record log was written")
         raise
     except FloatingPointError as e:
-        if log:
-            say(f"stopped: {e}")
+        say(f"stopped: {e}")
         raise
     finally:
         if batches is not None:
