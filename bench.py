@@ -176,13 +176,13 @@ class Table:
     def __init__(self, peak_tflops: float):
         self.peak = peak_tflops
         self.rows = {}
-        self._xla = {}  # id(compiled) -> xla_cost(compiled): the HLO text of a train step is large
+        self._last = (None, (None, False))  # (compiled, xla_cost): rows of one program come together
 
     def add(self, name, sec, *, tokens=None, flops=None, nominal=None, devices=1, compiled=None, compile_s=None,
             note=""):
-        if compiled is not None and id(compiled) not in self._xla:
-            self._xla[id(compiled)] = xla_cost(compiled)
-        xla_flops, loops = self._xla.get(id(compiled), (None, False))
+        if compiled is not None and compiled is not self._last[0]:
+            self._last = (compiled, xla_cost(compiled))  # once per program: a train step's HLO text is large
+        xla_flops, loops = self._last[1] if compiled is not None else (None, False)
         self.rows[name] = {
             "ms": sec * 1e3,
             "tokens_per_s": tokens / sec if tokens else None,
@@ -339,6 +339,7 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
 
 
 def model_rows(table, hp, params, inputs_T, targets_T, docs_T, repeats, windows, heads, attention):
+    """The whole model's loss and gradients for one sequence, compiled once per head, timed at each window."""
     T = len(inputs_T)
     inputs, targets = jnp.asarray(inputs_T), jnp.asarray(targets_T)
     for fp8 in heads:
@@ -527,7 +528,8 @@ def short_op_name(op_name: str, width: int = 70) -> str:
 
 def profile_lines(profile: dict) -> list:
     out = [f"profile: {profile['steps']} train steps, {profile['step_ms']:.1f} ms/step under the profiler; device ops "
-           f"busy {profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}%); trace {profile['trace']}",
+           f"{profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}% of the step, more where ops "
+           f"overlap); trace {profile['trace']}",
            f"{'op':<36}{'count':>8}{'ms':>10}{'% step':>8}  jax op (or kernel)"]
     for op in profile["top_ops"]:
         where = short_op_name(op["jax_op"]) if op["jax_op"] else (op["kernel"] or "")[:70]
@@ -543,6 +545,7 @@ def train_rows(table, hp, mesh, inputs, targets, docs, repeats):
     """Compile the train and validation steps cold and warm, time the train step at windows 1 and full
     (synced, then pipelined), read the peak memory, time the validation step."""
     R, T, top = len(inputs), hp.seq_len, tg.window_blocks(hp.num_iterations, hp)
+    print("bench: compiling the train and validation steps, cold then warm", file=sys.stderr, flush=True)
     train_step, val_step, params, opt_state, batch_spec, window_spec = build_steps(hp, mesh)
     train, val, compile_s = compile_cold_and_warm(train_step, val_step, params, opt_state, batch_spec, window_spec)
     x, y = (jax.device_put(a, NamedSharding(mesh, P("dp"))) for a in (inputs, targets))
