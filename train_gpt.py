@@ -93,8 +93,8 @@ class Hyperparameters:
              f"--batch-size {self.batch_size} must be a positive multiple of --seq-len {self.seq_len}"),
             (self.val_tokens > 0 and self.batch_size > 0 and self.val_tokens % self.batch_size == 0,
              f"--val-tokens {self.val_tokens} must be a positive multiple of --batch-size {self.batch_size}"),
-            (self.vocab_size > EOT,
-             f"--vocab-size {self.vocab_size} must exceed {EOT}, the largest GPT-2 token id in the shards"),
+            (self.vocab_size > 0, f"--vocab-size {self.vocab_size} must be positive (check_inputs compares it with "
+                                  f"the shards' largest token id)"),
             (self.num_layers >= 6 and self.num_layers % 2 == 0,
              f"--num-layers {self.num_layers}: the U-net needs an even number >= 6"),
             (self.num_heads > 0 and self.model_dim == self.num_heads * HEAD_DIM,
@@ -209,11 +209,12 @@ def linear(x, w_OxI):
     return x @ w_OxI.astype(x.dtype).T
 
 
-def scale(s, x):
-    """s·x for a scalar s (0-d fp32 parameter or Python float) and an activation x: the product is
-    taken in fp32 and rounded once to x's dtype, as torch's bf16 kernels do. Why not s.astype(bf16)·x:
-    that rounds s itself (3.4445 -> 3.4375), and makes a parameter's gradient a bf16 sum over T·D terms."""
-    return (jnp.asarray(s, F32) * x.astype(F32)).astype(x.dtype)
+def mix(*terms):
+    """sum of s·x over (s, x) terms, s a scalar (0-d fp32 parameter or Python float), x an activation:
+    computed in fp32 and rounded once to the first x's dtype, as torch.compile's fused kernels do for
+    such elementwise chains. Why not s.astype(bf16)·x: that rounds s itself (3.4445 -> 3.4375), and
+    makes a scalar parameter's gradient a bf16 sum over T·D products."""
+    return sum(jnp.asarray(s, F32) * x.astype(F32) for s, x in terms).astype(terms[0][1].dtype)
 
 
 def rotary_cos_sin(T: int, head_dim: int = HEAD_DIM):
@@ -558,9 +559,7 @@ def causal_self_attention(params, i, x_TxD, ve_TxD, docs_T, window, cos, sin, at
     qkv_Tx3HxK = linear(x_TxD, qkv_w.reshape(3 * D, D)).reshape(T, 3 * H, HEAD_DIM)
     q, k, v = jnp.split(qkv_Tx3HxK, 3, axis=1)
     lambdas = params[f"blocks.{i}.attn.lambdas"]
-    v = scale(lambdas[0], v)
-    if ve_TxD is not None:
-        v = v + scale(lambdas[1], ve_TxD.reshape(T, H, HEAD_DIM))
+    v = mix((lambdas[0], v)) if ve_TxD is None else mix((lambdas[0], v), (lambdas[1], ve_TxD.reshape(T, H, HEAD_DIM)))
     q, k = apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin)
     y_TxHxK = attend(q, k, v, docs_T, window)
     return linear(y_TxHxK.reshape(T, D), params[f"blocks.{i}.attn.c_proj.weight"])
@@ -578,7 +577,7 @@ def num_layers_of(params) -> int:
 def block(params, i, x, x0, ve, docs_T, window, cos, sin, attend):
     """One transformer block: x0 mixing, attention (all blocks but one), ReLU² MLP."""
     lambdas = params[f"blocks.{i}.lambdas"]
-    x = scale(lambdas[0], x) + scale(lambdas[1], x0)
+    x = mix((lambdas[0], x), (lambdas[1], x0))
     if has_attention(i, num_layers_of(params)):
         x = x + causal_self_attention(params, i, rms_norm(x), ve, docs_T, window, cos, sin, attend)
     return x + mlp(params, i, rms_norm(x))
@@ -598,7 +597,7 @@ def gpt_hidden(params, inputs_T, window, attention: str = "xla", dtype=BF16):
     x, skips = x0, []
     for i in range(L):
         if i >= L // 2:  # decoder: add the mirrored encoder block's output (U-net)
-            x = x + scale(params["skip_weights"][i - L // 2], skips.pop())
+            x = mix((1.0, x), (params["skip_weights"][i - L // 2], skips.pop()))
         ve_index = value_embed_index(i, L)
         ve = None if ve_index is None else ves[ve_index]
         window = long_window if has_long_window(i, L) else short_window
@@ -715,10 +714,10 @@ def newton_schulz(G_SxOxI, steps: int = 5):
         X = X.swapaxes(-2, -1)
     norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(F32)), axis=(-2, -1), keepdims=True))
     X = X / (norm + 1e-7).astype(BF16)
-    for _ in range(steps):  # each op rounds once to bf16 with fp32 coefficients (scale), like torch's
+    for _ in range(steps):  # the reference's b·A + c·A @ A: (c·A) @ A; each elementwise chain rounds once (mix)
         A = X @ X.swapaxes(-2, -1)
-        B = scale(b, A) + scale(c, A @ A)
-        X = scale(a, X) + B @ X
+        B = mix((b, A), (1.0, mix((c, A)) @ A))
+        X = mix((a, X), (1.0, B @ X))
     return X.swapaxes(-2, -1) if tall else X
 
 
@@ -1129,6 +1128,11 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
             f"and one more left in its shard), but --val-tokens {hp.val_tokens} needs {val_steps}. "
             f"Lower --val-tokens to {val_available * hp.batch_size} or add val shards")
     val_batches = list(itertools.islice(token_windows(val_files, hp.batch_size, hp.seq_len, rows), val_steps))
+    for path in train_files + val_files:  # an embedding lookup past the table would silently clamp
+        tokens = open_shard(path)
+        if tokens.size and int(tokens.max()) >= hp.vocab_size:
+            raise DataError(f"{os.path.abspath(path)} holds token id {int(tokens.max())}, but --vocab-size is "
+                            f"{hp.vocab_size}: raise --vocab-size (GPT-2 shards need {EOT + 1}) or use other shards")
     for path, flag in [(hp.records_dir, "--records-dir"),
                        (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
         if path is None:

@@ -19,6 +19,7 @@ BAD = [  # (overrides, the flag the message must name)
     ({"num_heads": 0, "model_dim": 0}, "--model-dim"),
     ({"model_dim": 700}, "--model-dim"),
     ({"vocab_size": 0}, "--vocab-size"),
+    ({"vocab_size": -3}, "--vocab-size"),
     ({"seq_len": 0}, "--seq-len"),
     ({"seq_len": -512}, "--seq-len"),
     ({"seq_len": 1000}, "--seq-len"),

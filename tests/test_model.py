@@ -222,11 +222,14 @@ def test_scalar_gradients_match_an_fp32_run():
     assert errors[big].max() < 0.5, errors[big].max()
 
 
-def test_scale_rounds_once_with_an_fp32_scalar():
-    x = jnp.asarray(np.random.default_rng().standard_normal((512, 512)), jnp.bfloat16)
-    expected = (np.float32(3.4445) * np.asarray(x, np.float32)).astype(jnp.bfloat16)
-    assert np.array_equal(np.asarray(tg.scale(3.4445, x)), np.asarray(expected))
+def test_mix_rounds_once_with_fp32_scalars():
+    rng = np.random.default_rng()
+    x, y = (jnp.asarray(rng.standard_normal((512, 512)), jnp.bfloat16) for _ in range(2))
+    x32, y32 = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    assert np.array_equal(np.asarray(tg.mix((3.4445, x))), (np.float32(3.4445) * x32).astype(jnp.bfloat16))
+    two = (np.float32(0.7) * x32 + np.float32(-1.3) * y32).astype(jnp.bfloat16)
+    assert np.array_equal(np.asarray(tg.mix((0.7, x), (-1.3, y))), two)
     s = jnp.float32(0.3)  # a 0-d fp32 parameter: bf16 forward, fp32 gradient
-    y, grad_s = jax.value_and_grad(lambda s: jnp.sum(tg.scale(s, x).astype(jnp.float32)))(s)
-    assert tg.scale(s, x).dtype == jnp.bfloat16 and grad_s.dtype == jnp.float32
-    assert abs(float(grad_s) - np.sum(np.asarray(x, np.float64))) < 1e-4 * np.abs(np.asarray(x, np.float64)).sum()
+    grad_s = jax.grad(lambda s: jnp.sum(tg.mix((s, x)).astype(jnp.float32)))(s)
+    assert tg.mix((s, x)).dtype == jnp.bfloat16 and grad_s.dtype == jnp.float32
+    assert abs(float(grad_s) - np.sum(x32, dtype=np.float64)) < 1e-4 * np.abs(x32).sum()

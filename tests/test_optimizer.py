@@ -97,8 +97,10 @@ SHARDED_SCRIPT = textwrap.dedent("""
     single = jax.jit(lambda u: tg.orthogonalize(u))(updates)
     sharded_fn = jax.jit(lambda u: tg.orthogonalize(u, mesh))
     sharded = sharded_fn(updates)
+    # bf16 Newton-Schulz turns a different matmul accumulation order into a few bf16 ulps (either program
+    # is up to 0.018 off an exact-rounding numpy emulation); a mix-up of matrices would be O(1)
     for a, b in zip(single, sharded):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=1e-2)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=3e-2)
         assert b.sharding.is_fully_replicated
     # 4 square 64x64 matrices padded to 8: each device's Newton–Schulz works on 1 of them
     hlo = sharded_fn.lower(updates).compile().as_text()

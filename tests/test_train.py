@@ -123,7 +123,8 @@ def test_a_tiny_run_writes_a_log_that_parses_back(tiny_args, run_train, tmp_path
     assert "step:24/24 val_loss:" in result.stdout  # printed as well as logged
 
 
-@pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "seq_len", "records_dir"])
+@pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "seq_len", "records_dir",
+                                  "vocab"])
 def test_bad_input_fails_before_writing_anything(case, tiny_args, run_train, tmp_path):
     records = tmp_path / "records"
     overrides, expect = {}, ""
@@ -141,6 +142,8 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, run_train, tmp
         overrides, expect = {"--val-tokens": 1024 * 1024}, "--val-tokens"
     elif case == "seq_len":
         overrides, expect = {"--seq-len": 1000}, "multiple of 128"
+    elif case == "vocab":  # the synthetic shards hold EOT = 50256
+        overrides, expect = {"--vocab-size": 50256}, "holds token id 50256"
     elif case == "records_dir":
         (tmp_path / "a_file").write_text("")
         overrides, expect = {"--records-dir": str(tmp_path / "a_file" / "records")}, "records"
