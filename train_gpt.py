@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+import zipfile
 from functools import partial
 
 import jax
@@ -600,8 +601,8 @@ def gpt_hidden(params, inputs_T, window, attention: str = "xla", dtype=BF16):
             x = mix((1.0, x), (params["skip_weights"][i - L // 2], skips.pop()))
         ve_index = value_embed_index(i, L)
         ve = None if ve_index is None else ves[ve_index]
-        window = long_window if has_long_window(i, L) else short_window
-        x = block(params, i, x, x0, ve, docs_T, window, cos, sin, ATTENTION[attention])
+        layer_window = long_window if has_long_window(i, L) else short_window
+        x = block(params, i, x, x0, ve, docs_T, layer_window, cos, sin, ATTENTION[attention])
         if i < L // 2:
             skips.append(x)
     return rms_norm(x)
@@ -815,16 +816,25 @@ def make_optimizer(hp: Hyperparameters, mesh=None) -> optax.GradientTransformati
 
 
 def save_weights(params: dict, path: str) -> None:
+    """Written under a temporary name and renamed, so PATH is either the old file or the complete new one."""
     arrays = {k: np.asarray(jax.device_get(v).astype(np.float32)) for k, v in params.items()}
     tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def load_weights(path: str, hp: Hyperparameters) -> dict:
     expected = jax.eval_shape(lambda: init_params(hp, 0))
-    with np.load(path) as f:
-        arrays = dict(f)
+    try:
+        with np.load(path) as f:
+            arrays = dict(f)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"cannot read weights {os.path.abspath(path)} ({type(e).__name__}: {e}): pass an .npz "
+                        f"written by --save-weights") from None
     missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
     wrong = [f"{k}: file {arrays[k].shape}, model {expected[k].shape}" for k in expected
              if k in arrays and arrays[k].shape != expected[k].shape]
@@ -1038,7 +1048,7 @@ def sequences_per_device(hp: Hyperparameters, mesh) -> int:
 
 def make_steps(hp: Hyperparameters, mesh, optimizer):
     """The jitted train step and validation step (not yet compiled)."""
-    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
 
     def device_mean(per_sequence, init, inputs_RxT, targets_RxT):
         """Mean of per_sequence(x, y) over this device's sequences, one at a time (lax.scan, fp32
@@ -1074,10 +1084,10 @@ def make_steps(hp: Hyperparameters, mesh, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return (jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, rows, rows, replicated),
+    return (jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, by_rows, by_rows, replicated),
                     out_shardings=(replicated, replicated, replicated)),
             jax.jit(jax.shard_map(device_val_loss, out_specs=P(), **specs),
-                    in_shardings=(replicated, rows, rows, replicated), out_shardings=replicated))
+                    in_shardings=(replicated, by_rows, by_rows, replicated), out_shardings=replicated))
 
 
 def enable_compile_cache(cache_dir: str) -> None:
@@ -1088,8 +1098,8 @@ def enable_compile_cache(cache_dir: str) -> None:
         jax.config.update("jax_persistent_cache_enable_xla_caches", "all")
 
 
-class Interrupted(Exception):
-    pass
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM; a BaseException, like KeyboardInterrupt, so no library's `except Exception` eats it."""
 
 
 FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per train shard of data/cached_fineweb10B.py
@@ -1147,14 +1157,16 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
                               f"choose a writable folder")
     if init_path and not os.path.isfile(init_path):
         raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
+    if save_path and os.path.isdir(save_path):
+        raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
     return Inputs(train_files, val_batches, rows, per_device)
 
 
 def compile_steps(hp: Hyperparameters, mesh, params, opt_state, optimizer):
     """The train and validation steps, compiled ahead of time for the batch's shape and shardings."""
     train_step, val_step = make_steps(hp, mesh, optimizer)
-    rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
-    batch = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=rows)
+    by_rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
+    batch = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=by_rows)
     window = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     return (train_step.lower(params, opt_state, batch, batch, window).compile(),
             val_step.lower(params, batch, batch, window).compile())
@@ -1192,8 +1204,8 @@ def run_steps(hp: Hyperparameters, say, console, train_step, val_step, params, o
     # host; its line is written then, with the clock read then.
     clock, pending, val_s, step = TrainClock(), None, 0.0, 0
 
-    def finish(pending):
-        finished, loss = pending
+    def finish(dispatched):
+        finished, loss = dispatched
         loss = local_value(loss)  # waits for that step
         ms = clock.ms()
         if not math.isfinite(loss):
@@ -1211,7 +1223,7 @@ def run_steps(hp: Hyperparameters, say, console, train_step, val_step, params, o
                     finish(pending)
                     pending = None
                 clock.pause()
-                if step == 0:
+                if step == validations[0]:
                     console(f"validating on {hp.val_tokens} tokens ...")
                 t = time.perf_counter()
                 losses = [val_step(params, x, y, window) for x, y in val_batches]  # all dispatched, then read
@@ -1246,17 +1258,17 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
     def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
         raise Interrupted(signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    log, batches = None, None
+    previous, log, batches, trained = {}, None, None, False
 
     def say(text, console_note=""):
         if log:
             log.write(text, console_note)
 
     try:
+        previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         console("checking shards and flags ...")
         inputs = check_inputs(hp, mesh, init_path, save_path)
-        rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
+        by_rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
         optimizer = make_optimizer(hp, mesh)
         if init_path:
             params = jax.device_put(load_weights(init_path, hp), replicated)
@@ -1279,12 +1291,13 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             f"{hp.compile_cache_dir or 'off'})")
 
         def put(batch):
-            return tuple(jax.make_array_from_process_local_data(rows, x) for x in batch)
+            return tuple(jax.make_array_from_process_local_data(by_rows, x) for x in batch)
 
         val_batches = [put(b) for b in inputs.val_batches]
         batches = prefetch(token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows), put)
         params, val_loss, train_ms = run_steps(hp, say, console, train_step, val_step, params, opt_state, batches,
                                                val_batches)
+        trained = True
         stats = jax.local_devices()[0].memory_stats() or {}
         summary = {
             "final_val_loss": val_loss,
@@ -1302,20 +1315,27 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         say("run complete")
     except Interrupted as e:
         if log:
-            say(f"interrupted at step {getattr(e, 'step', 0)} ({e})")
+            say(f"interrupted at step {getattr(e, 'step', hp.num_iterations if trained else 0)} ({e})")
         else:
             console(f"interrupted ({e}) before training started; no record log was written")
         raise
     except FloatingPointError as e:
         say(f"stopped: {e}")
         raise
+    except Exception as e:  # a bug or a device error: the log says so, the traceback goes on
+        say(f"stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
     finally:
-        if batches is not None:
-            batches.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if log:
-            log.close()
+        for s in previous:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            if batches is not None:
+                batches.close()
+        finally:
+            if log:
+                log.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     return summary
 
 
@@ -1390,12 +1410,13 @@ def parse_args(argv=None):
     hyper = parser.add_argument_group("hyperparameters (defaults: those of the chosen preset)")
     for field in dataclasses.fields(Hyperparameters):
         flag = "--" + field.name.replace("_", "-")
+        defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):
-            hyper.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+            hyper.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=defaults)
         else:
-            hyper.add_argument(flag, dest=field.name, type=field.type, default=None,
-                               help=f"(record: {getattr(PRESETS['record'], field.name)}, "
-                                    f"cpu: {getattr(PRESETS['cpu'], field.name)})")
+            hyper.add_argument(flag, dest=field.name, type=field.type, default=None, help=defaults,
+                               choices=("xla", "pallas") if field.name == "attention" else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
