@@ -29,3 +29,15 @@ def test_npz_round_trip_is_exact_and_mismatches_are_rejected(tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded[k], np.float32), np.asarray(params[k], np.float32))
     with pytest.raises(tg.DataError, match="wrong shapes.*embed.weight"):
         tg.load_weights(path, dataclasses.replace(SMALL, model_dim=128, num_heads=1))
+
+
+@pytest.mark.parametrize("case", ["not_npz", "folder"])
+def test_bad_weight_paths_exit_2_before_compiling(case, tiny_args, tmp_path, capsys):
+    if case == "not_npz":
+        (tmp_path / "w.npz").write_text("not an npz")
+        flags, expect = ["--init-weights", str(tmp_path / "w.npz")], "written by --save-weights"
+    else:
+        flags, expect = ["--save-weights", str(tmp_path)], "is a folder"
+    assert tg.main(tiny_args(tmp_path / "records") + flags) == 2
+    assert expect in capsys.readouterr().err
+    assert not (tmp_path / "records").exists() or not any((tmp_path / "records").iterdir())
