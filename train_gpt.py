@@ -1363,7 +1363,11 @@ def distributed_settings(args):
         if missing:
             raise ConfigError("a multi-process run needs --coordinator-address, --num-processes and --process-id "
                              f"(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing: {missing}")
-        given["num_processes"], given["process_id"] = int(given["num_processes"]), int(given["process_id"])
+        try:
+            given["num_processes"], given["process_id"] = int(given["num_processes"]), int(given["process_id"])
+        except ValueError:
+            raise ConfigError(f"the number of processes and the process id must be integers, got "
+                              f"{given['num_processes']!r} and {given['process_id']!r}") from None
         return {**given, "heartbeat_timeout_seconds": args.heartbeat_timeout}
     if int(os.environ.get("SLURM_NTASKS", 1)) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
         return {"heartbeat_timeout_seconds": args.heartbeat_timeout}  # JAX reads the cluster's variables
