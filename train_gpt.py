@@ -714,8 +714,10 @@ def newton_schulz(G_SxOxI, steps: int = 5):
     if tall:
         X = X.swapaxes(-2, -1)
     norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(F32)), axis=(-2, -1), keepdims=True))
-    X = X / (norm + 1e-7).astype(BF16)
-    for _ in range(steps):  # the reference's b·A + c·A @ A: (c·A) @ A; each elementwise chain rounds once (mix)
+    X = (X.astype(F32) / (norm + 1e-7)).astype(BF16)
+    # The reference's NS is torch.compile'd: inductor computes each elementwise chain in fp32 and rounds
+    # once where it stores (mix); its b·A + c·A @ A is b·A + (c·A) @ A by Python's precedence.
+    for _ in range(steps):
         A = X @ X.swapaxes(-2, -1)
         B = mix((b, A), (1.0, mix((c, A)) @ A))
         X = mix((a, X), (1.0, B @ X))
