@@ -217,9 +217,10 @@ def test_scalar_gradients_match_an_fp32_run():
     errors, fp32_sizes = np.concatenate(errors), np.concatenate(fp32_sizes)
     big = fp32_sizes >= 0.25 * np.median(fp32_sizes)  # near-zero gradients have large relative errors anyway
     assert np.median(errors) < 0.05, np.median(errors)
-    # Measured with these weights: median 0.9-1.8%, worst 5-7% (other weight seeds: worst up to 24%,
-    # as a late layer's cotangent rounding reaches every earlier block); bf16-rounded scalars: 7-21%, 240%.
-    assert errors[big].max() < 0.25, errors[big].max()
+    # The worst case varies with the tokens: measured 5-25% with these weights (a late layer's cotangent
+    # rounding reaches every earlier block, so the scalars' errors are correlated); with bf16-rounded
+    # scalars the median was 16-19% and the worst 74-102% on the same case.
+    assert errors[big].max() < 0.5, errors[big].max()
 
 
 def test_mix_rounds_once_with_fp32_scalars():
