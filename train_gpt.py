@@ -1142,10 +1142,15 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
     val_batches = list(itertools.islice(token_windows(val_files, hp.batch_size, hp.seq_len, rows), val_steps))
     for path in train_files + val_files:  # an embedding lookup past the table would silently clamp
         tokens = open_shard(path)
-        if tokens.size and int(tokens.max()) >= hp.vocab_size:
-            raise DataError(f"{os.path.abspath(path)} holds token id {int(tokens.max())}, but --vocab-size is "
+        largest = int(tokens.max()) if tokens.size else -1
+        if largest >= hp.vocab_size:
+            raise DataError(f"{os.path.abspath(path)} holds token id {largest}, but --vocab-size is "
                             f"{hp.vocab_size}: raise --vocab-size (GPT-2 shards need {EOT + 1}) or use other shards")
-    for path, flag in [(hp.records_dir, "--records-dir"),
+    if init_path and not os.path.isfile(init_path):
+        raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
+    if save_path and os.path.isdir(save_path):
+        raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
+    for path, flag in [(hp.records_dir, "--records-dir"),  # last: the only check that creates anything
                        (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
         if path is None:
             continue
@@ -1157,10 +1162,6 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
         if problem:
             raise ConfigError(f"cannot write to {flag} folder {os.path.abspath(path)!r} ({problem}): "
                               f"choose a writable folder")
-    if init_path and not os.path.isfile(init_path):
-        raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
-    if save_path and os.path.isdir(save_path):
-        raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
     return Inputs(train_files, val_batches, rows, per_device)
 
 
