@@ -30,19 +30,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from records.logs import LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete  # noqa: E402
 
 TARGET, ALPHA = 3.28, 0.01  # the speedrun's rule: mean final val loss below 3.28 at p < 0.01
-RECORD20 = {"runs": 32, "mean": 3.2787, "std": 0.0018}  # the published record 20's final losses
+RECORD20_RUNS, RECORD20_STD = 32, 0.0018  # record 20's published final losses (their mean: 3.2787)
 POWER = 0.8  # "runs needed": the smallest n at which the record test passes with this probability
 
 
 def probability(text: str) -> float:
     """argparse type of --alpha: a number strictly between 0 and 1."""
     try:
-        value = float(text)
+        if 0 < float(text) < 1:
+            return float(text)
     except ValueError:
-        value = None
-    if value is None or not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"--alpha must be a number between 0 and 1 (got {text!r}), e.g. 0.01")
-    return value
+        pass
+    raise argparse.ArgumentTypeError(f"--alpha must be a number between 0 and 1 (got {text!r}), e.g. 0.01")
 
 
 def expand(patterns: list, flag: str) -> list:
@@ -194,7 +193,7 @@ def spread_lines(losses: list, target: float, alpha: float) -> list:
     if len(losses) < 2:
         return []
     mean, std = statistics.mean(losses), statistics.stdev(losses)
-    lines = [f"spread: std {std:.4f}; record 20's: {RECORD20['std']} over its {RECORD20['runs']} runs"]
+    lines = [f"spread: std {std:.4f}; record 20's: {RECORD20_STD} over its {RECORD20_RUNS} runs"]
     if mean >= target:
         lines.append(f"runs needed: none would do: the mean {mean:.4f} is not below the target {target}")
     elif std > 0:
@@ -207,25 +206,25 @@ def spread_lines(losses: list, target: float, alpha: float) -> list:
     return lines
 
 
+def claim(head: str, p, alpha: float, shown: str, not_shown: str, why: str) -> list:
+    """A two-group test's line (head, then its p-value) and what it shows at alpha."""
+    if p is None:
+        return [f"{head}; the p-value needs scipy: pip install scipy"]
+    return [f"{head}, p = {p:.3g}",
+            f"{shown} at p<{alpha:g}" if p < alpha else f"{not_shown} at p<{alpha:g} (p = {p:.3g}): {why}"]
+
+
 def two_group_test(a: list, b: list, alpha: float, quantity: str = "final val loss") -> list:
     if len(a) < 2 or len(b) < 2:
         return ["Welch's t-test needs at least 2 runs in each group"]
     if len(set(a)) == 1 and len(set(b)) == 1:
         return [f"Welch's t-test is undefined: the {quantity} values within each group are all equal (vary --seed)"]
     t, df, p = welch_less(a, b)
-    head = (f"Welch's t-test, H1: mean {quantity} of the runs < that of the --against runs: "
-            f"t = {t:.3f}, df = {df:.1f}")
-    if p is None:
-        return [f"{head}; the p-value needs scipy: pip install scipy"]
-    lines = [f"{head}, p = {p:.3g}"]
-    if p < alpha:
-        lines.append(f"the runs' mean {quantity} is below the --against runs' at p<{alpha:g}")
-    else:
-        why = ("their mean is not lower" if statistics.mean(a) >= statistics.mean(b)
-               else "their mean is lower, but not significantly: more runs or a larger gap needed")
-        lines.append(f"the runs' mean {quantity} is NOT shown below the --against runs' at p<{alpha:g} "
-                     f"(p = {p:.3g}): {why}")
-    return lines
+    why = ("their mean is not lower" if statistics.mean(a) >= statistics.mean(b)
+           else "their mean is lower, but not significantly: more runs or a larger gap needed")
+    return claim(f"Welch's t-test, H1: mean {quantity} of the runs < that of the --against runs: t = {t:.3f}, "
+                 f"df = {df:.1f}", p, alpha, f"the runs' mean {quantity} is below the --against runs'",
+                 f"the runs' mean {quantity} is NOT shown below the --against runs'", why)
 
 
 def seeds_of(runs: list, label: str) -> tuple:
@@ -242,7 +241,7 @@ def seeds_of(runs: list, label: str) -> tuple:
 
 
 def paired_test(runs: list, against: list, alpha: float) -> list:
-    """Same seed, same data order and initialisation: the paired differences leave out the seed's
+    """Same seed, same initialisation and data order: the paired differences leave out the seed's
     share of the spread, so this test has more power than Welch's when the groups share seeds."""
     a, why = seeds_of(runs, "the runs")
     b, why_against = seeds_of(against, "the --against runs")
@@ -258,15 +257,10 @@ def paired_test(runs: list, against: list, alpha: float) -> list:
         return [f"{head}: undefined, every seed's difference is {differences[0]:+.4f}"]
     t, p = t_test_less(differences, 0.0)
     mean = statistics.mean(differences)
-    if p is None:
-        return [f"{head}: t = {t:.3f}, df = {len(shared) - 1}; the p-value needs scipy: pip install scipy"]
-    lines = [f"{head}: mean difference {mean:+.4f}, t = {t:.3f}, df = {len(shared) - 1}, p = {p:.3g}"]
-    if p < alpha:
-        lines.append(f"the runs' final val loss is below the --against runs' at the same seed, at p<{alpha:g}")
-    else:
-        lines.append(f"the runs' final val loss is NOT shown below the --against runs' at the same seed at "
-                     f"p<{alpha:g} (p = {p:.3g})")
-    return lines
+    return claim(f"{head}: mean difference {mean:+.4f}, t = {t:.3f}, df = {len(shared) - 1}", p, alpha,
+                 "the runs' final val loss is below the --against runs' at the same seed",
+                 "the runs' final val loss is NOT shown below the --against runs' at the same seed",
+                 "their mean difference is not negative" if mean >= 0 else "more runs or a larger gap needed")
 
 
 def _device_key(run) -> tuple:

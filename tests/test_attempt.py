@@ -27,7 +27,7 @@ ATTEMPT = os.path.join(ROOT, "records", "attempt.py")
 def reproduced(verdict_path):
     """(the saved report, what its `reproduce` command prints now)."""
     with open(verdict_path) as f:
-        header, rest = f.read().split("\nreproduce (in ", 1)
+        rest = f.read().split("\nreproduce (in ", 1)[1]
     folder, rest = rest.split("): ", 1)
     command, saved = rest.split("\n", 1)
     words = shlex.split(command)
@@ -56,18 +56,26 @@ def tiny_attempt(attempt_once, tiny_args, tmp_path_factory):
     return attempt_once["records"], attempt_once["proc"]
 
 
-def test_a_three_run_attempt_gives_three_seeded_logs_and_one_verdict_over_them(tiny_attempt):
+def test_a_three_run_attempt_makes_three_seeded_runs_with_a_tally_after_each(tiny_attempt):
     records, proc = tiny_attempt
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    logs = sorted(str(p) for p in records.glob("*.txt"))
-    (verdict,) = records.glob("attempt_*.verdict")
-    runs = [parse_log(p) for p in logs]
+    runs = [parse_log(str(p)) for p in sorted(records.glob("*.txt"))]
     assert len(runs) == 3 and all(r.finished for r in runs)
     assert sorted(r.hyperparameters["seed"] for r in runs) == [7, 8, 9]
+    assert {r.hyperparameters["num_iterations"] for r in runs} == {1}  # the other options reached every run
     assert proc.stdout.count("\nrun complete\n") == 3  # the runs' own output passed through
+    losses = [r.final_val_loss for r in sorted(runs, key=lambda r: r.hyperparameters["seed"])]
     for done in (1, 2, 3):
-        assert f"attempt: {done} of 3 runs done, 0 failed; mean final val loss" in proc.stdout
-    assert "; all done\n" in proc.stdout and proc.stdout.count("ETA ") == 2
+        assert (f"attempt: {done} of 3 runs done, 0 failed; mean final val loss {statistics.mean(losses[:done]):.4f}"
+                in proc.stdout)
+    assert proc.stdout.count(" finished; ETA ") == 2 and "3 finished; all done\n" in proc.stdout
+
+
+def test_the_attempts_verdict_covers_exactly_its_runs_and_reproduces(tiny_attempt):
+    records, proc = tiny_attempt
+    logs = sorted(str(p) for p in records.glob("*.txt"))
+    runs = [parse_log(p) for p in logs]
+    (verdict,) = records.glob("attempt_*.verdict")
     text = verdict.read_text()
     assert text in proc.stdout and text.startswith("attempt verdict: python records/attempt.py --runs 3 --seed 7")
     for run in runs:
@@ -222,6 +230,13 @@ def test_bad_runs_values_are_refused_before_anything_runs(value, capsys):
         capsys.readouterr().err
 
 
+def test_the_driver_does_not_import_jax(tmp_path):
+    probe = ("import sys; import records.attempt; "
+             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_against_logs_are_checked_before_any_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         attempt.main(["--runs", "2", "--against", str(tmp_path / "nothing_*.txt")])
@@ -247,15 +262,15 @@ def repo_copy(tmp_path):
     return repo, env
 
 
-def test_run_sh_refuses_bad_runs_values_before_any_data_work(tmp_path):
+def test_run_sh_refuses_a_bad_runs_value_before_any_data_work(tmp_path):
+    """run.sh asks the driver before its data step (the driver's check of 0, -1 and x is tested above)."""
     repo, env = repo_copy(tmp_path)
-    for value in ("0", "-1", "x"):
-        r = subprocess.run([str(repo / "run.sh"), "--runs", value, "--num-iterations", "5"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2, r.stderr
-        assert f"--runs must be a whole number of runs, at least 1 (got '{value}')" in r.stderr
-        assert not (repo / "data" / "fineweb10B").exists() and not (repo / "data" / "synthetic").exists()
-        assert list(repo.rglob("*.bin")) == [] and list((repo / "records").glob("*.txt")) == []
+    r = subprocess.run([str(repo / "run.sh"), "--runs", "-1", "--num-iterations", "5"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "--runs must be a whole number of runs, at least 1 (got '-1')" in r.stderr
+    assert not (repo / "data" / "fineweb10B").exists() and not (repo / "data" / "synthetic").exists()
+    assert list(repo.rglob("*.bin")) == [] and list((repo / "records").glob("*.txt")) == []
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with GPUs run.sh downloads 8 FineWeb shards")
@@ -341,7 +356,7 @@ def test_the_paired_test_by_seed_matches_scipy(tmp_path, capsys):
             f"p = {paired.pvalue:.3g}") in out
     welch = scipy_stats.ttest_ind(a, b + [3.2700], equal_var=False, alternative="less")
     assert f"p = {welch.pvalue:.3g}" in out and paired.pvalue < 0.01 < welch.pvalue  # pairing sees what Welch cannot
-    assert "the runs' final val loss is below the --against runs' at the same seed, at p<0.01" in out
+    assert "the runs' final val loss is below the --against runs' at the same seed at p<0.01" in out
     assert stats.main(ours + ["--against", *group(tmp_path, "c", b[:2], seeds=[1, 7])]) == 0
     assert "no paired test by seed: 1 seed(s) shared by both groups; it needs at least 2" in capsys.readouterr().out
     assert stats.main(ours + ["--against", write_torch_log(tmp_path / "t.txt", [10.8, 5, 4, 3.5, 3.28]),
