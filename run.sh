@@ -10,14 +10,21 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 help=0
+attempt=0  # --runs N: a record attempt, handed to records/attempt.py
 if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
     for arg in "$@"; do
-        case "$arg" in -h|--help) help=1 ;; esac
+        case "$arg" in
+            -h|--help) help=1 ;;
+            --runs|--runs=*) attempt=1 ;;
+        esac
     done
 fi
 if [ "$help" = 1 ]; then  # printed before set-up; help never downloads or writes shards
     cat <<'EOF'
 usage: ./run.sh [train_gpt.py options]   set up, make sure data exists, train on all local devices
+       ./run.sh --runs N [--seed S] [--script COPY.py] [--against LOGS...] [train_gpt.py options]
+                                         a record attempt: N seeded runs, then the statistical
+                                         verdict (python records/attempt.py --help says more)
        ./run.sh test [pytest options]    set up, run the test suite (offline)
        ./run.sh --help                   this text, then train_gpt.py's options
 
@@ -54,6 +61,9 @@ if [ "${1:-}" = "test" ]; then
     export HF_HUB_OFFLINE=1
     exec python -m pytest -q tests "$@"
 fi
+if [ "$attempt" = 1 ]; then  # a bad --runs (or other attempt option) exits 2 here, before any data work
+    python records/attempt.py --check "$@"
+fi
 
 data_flags=()
 if [ "$gpus" -gt 0 ]; then
@@ -75,4 +85,7 @@ EOF
     data_flags=(--train-files 'data/synthetic/synthetic_train_*.bin' --val-files 'data/synthetic/synthetic_val_*.bin')
 fi
 
+if [ "$attempt" = 1 ]; then
+    exec python records/attempt.py "${data_flags[@]}" "$@"
+fi
 exec python train_gpt.py "${data_flags[@]}" "$@"

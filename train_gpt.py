@@ -1285,6 +1285,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
 
         if main_process:
             log = RecordLog(new_log_path(hp.records_dir))
+            print(f"record log: {os.path.abspath(log.path)}", flush=True)  # records/attempt.py finds the log by it
             log_header(log, hp, preset)
         say(f"preset {preset}: {hp.num_iterations} steps x {hp.batch_size} tokens, {mesh.size} device(s), "
             f"{inputs.per_device} sequence(s) of {hp.seq_len} per device per step; log {log.path if log else '-'}")

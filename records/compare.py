@@ -1,13 +1,15 @@
 """Compare two record logs, ours (train_gpt.py) or the PyTorch speedrun's, in any pairing: what
 changed (source, hyperparameters), the validation curves, and final loss, time and memory.
 
-  python records/compare.py A.txt B.txt [--plot out.png] [--baseline record20] [--allow-incomplete]
+  python records/compare.py A.txt B.txt [--plot out.png] [--baseline record20] [--target 3.28] [--allow-incomplete]
 
 Sources are diffed only between logs of the same language. Between a JAX and a PyTorch log, the
 hyperparameters of the same meaning are shown side by side (SAME_MEANING maps the names). Curves
 are shown at common steps and, when the step counts differ, at common fractions of training.
---plot draws val loss against step, fraction of training and training time (needs matplotlib, an
-optional extra); --baseline record20 adds the published PyTorch record-20 curve (records/record20_curve.tsv).
+--plot draws val loss against step, fraction of training and training time, and below them the
+range that decides a record: the end of training, on a loss axis that spans the target line and
+the final losses (at least 0.3 nats; more only when they lie further apart), needs matplotlib, an
+optional extra; --baseline record20 adds the published PyTorch record-20 curve (records/record20_curve.tsv).
 Logs of unfinished runs are rejected unless --allow-incomplete (their partial curves are shown).
 """
 import argparse
@@ -17,6 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from records.logs import LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete  # noqa: E402
+from records.stats import TARGET  # noqa: E402
 
 BASELINES = {"record20": os.path.join(os.path.dirname(os.path.abspath(__file__)), "record20_curve.tsv")}
 
@@ -157,31 +160,58 @@ def timing_lines(a, b) -> list:
     return lines
 
 
-def plot(a, b, path: str, baseline=None, baseline_name=""):
-    """Val loss against step, fraction of training and training time; returns the figure.
+def decisive_range(finals: list, target: float, least: float = 0.3) -> tuple:
+    """(bottom, top) of a loss axis that shows what decides a record: the target and the final
+    losses, with room above them for the curves' approach. It spans `least` nats, or 1.25 times
+    the spread of target and finals when they lie further apart (a run far from the target)."""
+    lo, hi = min(finals + [target]), max(finals + [target])
+    span = max(least, 1.25 * (hi - lo))
+    bottom = lo - 0.1 * (span - (hi - lo))
+    return bottom, bottom + span
+
+
+def plot(a, b, path: str, baseline=None, baseline_name="", target: float = TARGET):
+    """Val loss against step, fraction of training and training time (the whole curves, top row),
+    and below them the decisive range (decisive_range) against fraction of training, with the
+    target line and the final losses (also in the legend); returns the figure.
     matplotlib is an optional extra, imported here so that the text comparison works without it."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig = plt.figure(figsize=(16, 10))
+    grid = fig.add_gridspec(2, 3, height_ratios=(1, 1.4))
+    axes = [fig.add_subplot(grid[0, i]) for i in range(3)]
+    decisive = fig.add_subplot(grid[1, :])
     short = {OURS: "JAX", PYTORCH: "PyTorch"}
     curves = [(f"{label}: {os.path.basename(r.path)} ({short[r.layout]})", r.val_curve, r.num_iterations)
               for label, r in (("A", a), ("B", b))]
     if baseline:
         curves.append((f"{baseline_name} (PyTorch, 8xH100)", baseline, baseline[-1][0]))
+    bottom, top = decisive_range([curve[-1][1] for _, curve, _ in curves if curve], target)
+    start = 1.0  # the decisive panel starts where the last curve enters it from above
     for label, curve, steps in curves:
-        losses = [v for _, v, _ in curve]
-        for ax, xs in zip(axes, ([s for s, _, _ in curve], [s / steps for s, _, _ in curve],
-                                 [t / 1000 for _, _, t in curve])):
+        losses, fractions = [v for _, v, _ in curve], [s / steps for s, _, _ in curve]
+        for ax, xs in zip(axes, ([s for s, _, _ in curve], fractions, [t / 1000 for _, _, t in curve])):
             ax.plot(xs, losses, marker=".", label=label)
+        if curve:  # an unfinished run (--allow-incomplete) may have no val line yet
+            decisive.plot(fractions, losses, marker=".", label=f"{label}: last {losses[-1]:.4f}")
+            start = min(start, max([f for f, v in zip(fractions, losses) if v > top], default=0.0))
     for ax, xlabel in zip(axes, ("step", "fraction of training", "training time (s)")):
         ax.set_title(f"val loss vs {xlabel}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("val loss")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    decisive.axhline(target, color="red", ls="--", label=f"target {target}")
+    decisive.set_ylim(bottom, top)
+    decisive.set_xlim(start, 1.01)
+    decisive.set_title(f"the decisive range: {top - bottom:.2f} nats holding the target and the last val losses")
+    decisive.set_xlabel("fraction of training")
+    decisive.set_ylabel("val loss")
+    decisive.grid(alpha=0.3)
+    decisive.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return fig
@@ -193,6 +223,7 @@ def main(argv=None) -> int:
     parser.add_argument("b")
     parser.add_argument("--plot", metavar="OUT.png")
     parser.add_argument("--baseline", choices=sorted(BASELINES))
+    parser.add_argument("--target", type=float, default=TARGET, help="the target line of --plot's decisive panel")
     parser.add_argument("--allow-incomplete", action="store_true", help="show unfinished runs' partial curves")
     args = parser.parse_args(argv)
     try:
@@ -206,7 +237,7 @@ def main(argv=None) -> int:
     baseline = load_baseline(args.baseline) if args.baseline else None
     if args.plot:  # first, so that a missing matplotlib fails before the report
         try:
-            plot(a, b, args.plot, baseline, args.baseline)
+            plot(a, b, args.plot, baseline, args.baseline, args.target)
         except ImportError as e:
             print(f"error: --plot needs matplotlib, an optional extra ({e}): pip install matplotlib", file=sys.stderr)
             return 2

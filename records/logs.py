@@ -26,6 +26,8 @@ TRAIN_LINE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(\S+)ms$
 COMPILE_LINE = re.compile(r"^compile: ([0-9.]+)s")
 SUMMARY_FIELD = re.compile(r"(\w+):(\S+)")
 PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
+DEVICES_LINE = re.compile(r"^Devices: (\d+) x (.+) \(\w+\) in \d+ process\(es\)$")  # ours
+SMI_GPU_ROW = re.compile(r"^\|\s+\d+\s+(.+?)\s+(?:On|Off)\s+\|")  # nvidia-smi: `|   0  NVIDIA H100 80GB HBM3   On  |`
 
 
 class LogError(ValueError):
@@ -104,6 +106,19 @@ class RunLog:
     @property
     def num_iterations(self):
         return self.total_steps or self.hyperparameters.get("num_iterations")
+
+    @property
+    def devices(self) -> tuple | None:
+        """(count, kind) of the devices that ran it: ours from the `Devices:` line, a PyTorch log from
+        its nvidia-smi table (a row per GPU); None when the log does not say."""
+        if self.layout == OURS:
+            return next(((int(m[1]), m[2]) for line in self.environment if (m := DEVICES_LINE.match(line))), None)
+        kinds = [m[1] for line in self.environment if (m := SMI_GPU_ROW.match(line))]
+        return (len(kinds), kinds[0]) if kinds and len(set(kinds)) == 1 else None
+
+    def time_at_step(self, step: int) -> float | None:
+        """train_time (ms) of the step line `step:{step}/N`; None if the log has none."""
+        return next((ms for s, ms, _ in self.train_steps if s == step), None)
 
     def describe(self) -> str:
         preset = f", preset {self.preset}" if self.preset else ""

@@ -324,7 +324,8 @@ def test_compare_plot_is_a_png_with_both_runs_and_the_baseline(tmp_path, capsys)
     baseline = compare.load_baseline("record20")
     assert baseline[0] == (0, 10.8258, 0.0) and baseline[-1] == (1393, 3.2785, 179527.0) and len(baseline) == 13
     fig = compare.plot(parse_log(a), parse_log(b), str(out), baseline, "record20")
-    assert [len(ax.lines) for ax in fig.axes] == [3, 3, 3]  # two runs and the baseline, in each panel
+    # two runs and the baseline in each panel of the whole curves, and in the decisive panel with the target line
+    assert [len(ax.lines) for ax in fig.axes] == [3, 3, 3, 4]
     assert list(fig.axes[0].lines[1].get_ydata()) == [v for _, v, _ in parse_log(b).val_curve]
     assert list(fig.axes[1].lines[1].get_xdata()) == [s / 40 for s, _, _ in parse_log(b).val_curve]
     assert "(PyTorch)" in fig.axes[0].lines[1].get_label() and "(JAX)" in fig.axes[0].lines[0].get_label()
