@@ -7,8 +7,10 @@
                                                         # 1, 7, 14 blocks, then the model with each
 
 Shapes: the record preset on a GPU; elsewhere `tiny` (6 layers, d=128, vocabulary 8,192, 1,024-token
-sequences, 2 per step): the suite takes ~1.5 minutes of CPU time, most of it compiling. --preset and
---seq-len override.
+sequences, 2 per step): the suite takes ~1.5 minutes of CPU time, most of it compiling. `--preset
+smoke` is the smallest shape that still runs every section (vocabulary 1,024, two 256-token
+sequences, windows of 1 and 2 blocks): a check that the suite works, its numbers mean nothing.
+--preset and --seq-len override.
 
 The suite measures
   compile     seconds to trace, lower and compile the train and validation steps, cold (a fresh
@@ -63,7 +65,8 @@ import train_gpt as tg
 # each sequence is one document)
 TINY = dataclasses.replace(tg.PRESETS["record"], num_layers=6, model_dim=128, num_heads=1, vocab_size=8192,
                            seq_len=1024, batch_size=2048, val_tokens=2048)
-PRESETS = {**tg.PRESETS, "tiny": TINY}
+SMOKE = dataclasses.replace(TINY, vocab_size=1024, seq_len=256, batch_size=512, val_tokens=512, window_tokens=256)
+PRESETS = {**tg.PRESETS, "tiny": TINY, "smoke": SMOKE}
 KERNEL_WINDOWS = (1, 7, 14)
 PROFILE_STEPS = 3
 TOP_OPS = 15
@@ -697,7 +700,7 @@ def parse_args(argv=None):
     mode.add_argument("--suite", action="store_true", help="the whole picture: compile, train step, model, parts")
     mode.add_argument("--attention-layer", action="store_true",
                       help="each attention implementation alone at windows 1, 7, 14, and the model with each")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="default: record on a GPU, tiny elsewhere")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     parser.add_argument("--attention", default="xla", choices=sorted(tg.ATTENTION),
                         help="attention implementation of the model, as in train_gpt.py (default xla)")

@@ -59,7 +59,7 @@ if [ "${1:-}" = "test" ]; then
     shift
     python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
     export HF_HUB_OFFLINE=1
-    exec python -m pytest -q tests "$@"
+    exec python -m pytest -q -n 2 tests "$@"  # two workers (tests/requirements.txt says why)
 fi
 if [ "$attempt" = 1 ]; then  # a bad --runs (or other attempt option) exits 2 here, before any data work
     python records/attempt.py --check "$@"

@@ -1,38 +1,136 @@
-"""Shared test setup: the repo root on sys.path, no network for huggingface_hub."""
+"""Shared test setup: the repo root on sys.path, no network for huggingface_hub, and the tiny run.
+
+How the suite stays within its budget (pytest <= 5 minutes on 2 cores): compiling dominates, so
+every whole run of train_gpt.py uses TINY_FLAGS (tiny_args) or the same settings in-process
+(tiny_hp), and every process of a test run shares one persistent compile cache: an equal program
+compiles once. Add flags to a run only where they are its point (each new --num-iterations, learning
+rate or device count is a new program). Logs of real runs come from one shared attempt (tiny_attempt).
+./run.sh test runs two pytest-xdist workers; what they share is made once (shared_once)."""
+import dataclasses
+import fcntl
+import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
+import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# The test shards' vocabulary: the synthetic bigram text renumbered to dense token ids, so the head and
+# the embedding tables have 2,048 rows instead of 50,304 (they cost most of a tiny step on a CPU).
+TINY_VOCAB = 2048
+
+# A tiny run of train_gpt.py: 6 layers (the fewest the U-net allows), 8 sequences of 128 tokens per
+# step, 8 steps with a short cool-down (the loss falls > 2 nats), validation every 4 on one batch.
+TINY_FLAGS = {"--preset": "cpu", "--num-layers": 6, "--vocab-size": TINY_VOCAB, "--seq-len": 128,
+              "--batch-size": 1024, "--val-tokens": 1024, "--num-iterations": 8, "--cooldown-frac": 0.2,
+              "--val-loss-every": 4}
+
+# This test run's folder (the compile cache, the test shards, the shared attempt): made by the first
+# pytest process, inherited by its xdist workers through the environment, removed by it at the end.
+OWNER = "TRAIN_GPT_TEST_RUN" not in os.environ
+if OWNER:
+    os.environ["TRAIN_GPT_TEST_RUN"] = tempfile.mkdtemp(prefix="train_gpt-tests-")
+SHARED = pathlib.Path(os.environ["TRAIN_GPT_TEST_RUN"])
+COMPILE_CACHE = str(SHARED / "compile-cache")
+
+
+def pytest_configure(config):
+    import train_gpt
+
+    train_gpt.enable_compile_cache(COMPILE_CACHE)  # before anything compiles: JAX reads it once
+
+
+def pytest_unconfigure(config):
+    if OWNER:
+        shutil.rmtree(SHARED, ignore_errors=True)
+
+
+def shared_once(name: str, make) -> pathlib.Path:
+    """SHARED/name, filled by make(folder) in the first process of the test run that asks; the others
+    wait for it (a file lock) and reuse it."""
+    folder = SHARED / name
+    with open(SHARED / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / "done").touch()
+    return folder
+
+
+def write_tiny_shards(out):
+    """Train (3 shards of 20,000 tokens) and val (8,000) shards of data/synthetic.py's text with token
+    ids renumbered below TINY_VOCAB (its end-of-text token becomes an ordinary one: one document per
+    sequence)."""
+    from data.shards import write_shard
+    from data.synthetic import synthetic_tokens
+
+    train, val = synthetic_tokens(60_000, seed=1, stream=1), synthetic_tokens(8_000, seed=1, stream=2)
+    ids = np.unique(np.concatenate([train, val]))
+    assert len(ids) <= TINY_VOCAB
+    for i in range(3):
+        write_shard(str(out / f"synthetic_train_{i + 1:06d}.bin"), np.searchsorted(ids, train[i * 20_000:][:20_000]))
+    write_shard(str(out / "synthetic_val_000000.bin"), np.searchsorted(ids, val))
 
 
 @pytest.fixture(scope="session")
-def synthetic_shards(tmp_path_factory):
-    """Small synthetic train (3 shards) and val shards, as flags for train_gpt.py."""
-    from data.synthetic import write_synthetic_shards
-
-    out = tmp_path_factory.mktemp("shards")
-    write_synthetic_shards(str(out), seed=1, train_tokens=60_000, val_tokens=8_000, shard_tokens=20_000)
+def synthetic_shards():
+    """The tiny shards (write_tiny_shards), as flags for train_gpt.py."""
+    out = shared_once("shards", write_tiny_shards)
     return {"--train-files": str(out / "synthetic_train_*.bin"), "--val-files": str(out / "synthetic_val_*.bin")}
 
 
-# A tiny run of train_gpt.py on the synthetic shards, as command-line flags (test_train, test_distributed).
-TINY_FLAGS = {"--preset": "cpu", "--seq-len": 128, "--batch-size": 1024, "--val-tokens": 2048,
-              "--num-iterations": 24, "--val-loss-every": 8, "--compile-cache-dir": ""}
-
-
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_args(synthetic_shards):
     """tiny_args(records, **overrides) -> argv for train_gpt.py."""
     def make(records, **overrides):
-        args = {**TINY_FLAGS, "--records-dir": records, **synthetic_shards, **overrides}
+        args = {**TINY_FLAGS, "--compile-cache-dir": COMPILE_CACHE, "--records-dir": records, **synthetic_shards,
+                **overrides}
         return [str(x) for kv in args.items() for x in kv]
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_attempt(tiny_args):
+    """One real record attempt at the tiny settings, shared by the tests that need logs of real runs
+    (test_attempt, test_records, test_train, test_distributed): `records/attempt.py --runs 3 --seed 0`,
+    three runs of train_gpt.py with seeds 0, 1, 2 (one compiled program). Returns its records
+    folder, the finished process (returncode, stdout, stderr) and {seed: log path}."""
+    from records.logs import parse_log
+
+    def run(folder):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "records", "attempt.py"), "--runs", "3", "--seed",
+                               "0", *tiny_args(folder / "records")], cwd=ROOT, capture_output=True, text=True,
+                              timeout=900)
+        (folder / "proc.json").write_text(json.dumps(dict(returncode=proc.returncode, stdout=proc.stdout,
+                                                          stderr=proc.stderr)))
+
+    folder = shared_once("tiny_attempt", run)
+    proc = types.SimpleNamespace(**json.loads((folder / "proc.json").read_text()))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = folder / "records"
+    logs = {parse_log(str(p)).hyperparameters["seed"]: str(p) for p in records.glob("*.txt")}
+    return types.SimpleNamespace(records=records, proc=proc, logs=logs)
+
+
+@pytest.fixture
+def tiny_hp(tiny_args, tmp_path):
+    """The Hyperparameters of tiny_args, for train_gpt's functions in this process."""
+    import train_gpt as tg
+
+    args, overrides = tg.parse_args(tiny_args(tmp_path / "records"))
+    return dataclasses.replace(tg.PRESETS[args.preset], **overrides)
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from scipy import stats as scipy_stats
 
 from records import attempt, compare, stats
 from records.logs import parse_log
-from test_records import HP, NVIDIA_SMI, write_log, write_torch_log
+from conftest import TINY_FLAGS
+from log_writers import HP, NVIDIA_SMI, write_log, write_torch_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTEMPT = os.path.join(ROOT, "records", "attempt.py")
@@ -36,33 +37,15 @@ def reproduced(verdict_path):
     return saved, again.stdout + again.stderr
 
 
-# ---- one real attempt: 3 runs of train_gpt.py at the tiny settings
-
-@pytest.fixture(scope="module")
-def attempt_once():
-    return {}
-
-
-@pytest.fixture
-def tiny_attempt(attempt_once, tiny_args, tmp_path_factory):
-    """`attempt.py --runs 3 --seed 7` on train_gpt.py, run once per module (tiny_args is a per-test
-    fixture, so the first test to ask runs it). One step each: every run compiles the same program."""
-    if not attempt_once:
-        records = tmp_path_factory.mktemp("attempt")
-        args = tiny_args(records, **{"--num-iterations": 1, "--val-loss-every": 0})
-        proc = subprocess.run([sys.executable, ATTEMPT, "--runs", "3", "--seed", "7", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)
-        attempt_once.update(records=records, proc=proc)
-    return attempt_once["records"], attempt_once["proc"]
-
+# ---- one real attempt: 3 runs of train_gpt.py at the tiny settings (conftest's tiny_attempt)
 
 def test_a_three_run_attempt_makes_three_seeded_runs_with_a_tally_after_each(tiny_attempt):
-    records, proc = tiny_attempt
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records, proc = tiny_attempt.records, tiny_attempt.proc
     runs = [parse_log(str(p)) for p in sorted(records.glob("*.txt"))]
     assert len(runs) == 3 and all(r.finished for r in runs)
-    assert sorted(r.hyperparameters["seed"] for r in runs) == [7, 8, 9]
-    assert {r.hyperparameters["num_iterations"] for r in runs} == {1}  # the other options reached every run
+    assert sorted(r.hyperparameters["seed"] for r in runs) == [0, 1, 2]
+    # the other options reached every run
+    assert {r.hyperparameters["num_iterations"] for r in runs} == {TINY_FLAGS["--num-iterations"]}
     assert proc.stdout.count("\nrun complete\n") == 3  # the runs' own output passed through
     losses = [r.final_val_loss for r in sorted(runs, key=lambda r: r.hyperparameters["seed"])]
     for done in (1, 2, 3):
@@ -72,21 +55,21 @@ def test_a_three_run_attempt_makes_three_seeded_runs_with_a_tally_after_each(tin
 
 
 def test_the_attempts_verdict_covers_exactly_its_runs_and_reproduces(tiny_attempt):
-    records, proc = tiny_attempt
+    records, proc = tiny_attempt.records, tiny_attempt.proc
     logs = sorted(str(p) for p in records.glob("*.txt"))
     runs = [parse_log(p) for p in logs]
     (verdict,) = records.glob("attempt_*.verdict")
     text = verdict.read_text()
-    assert text in proc.stdout and text.startswith("attempt verdict: python records/attempt.py --runs 3 --seed 7")
+    assert text in proc.stdout and text.startswith("attempt verdict: python records/attempt.py --runs 3 --seed 0")
     for run in runs:
         seed = run.hyperparameters["seed"]
-        assert f"run {seed - 6} (seed {seed}): finished, final val loss {run.final_val_loss:.4f}" in text
+        assert f"run {seed + 1} (seed {seed}): finished, final val loss {run.final_val_loss:.4f}" in text
     command = text.split("reproduce (in ")[1].split("\n")[0]
     assert [w for w in shlex.split(command) if w.endswith(".txt")] == logs  # exactly these (outside the repo)
     losses = [r.final_val_loss for r in runs]
     assert "runs: 3 (3 JAX train_gpt.py logs)" in text and f"mean {statistics.mean(losses):.4f}" in text
     assert f"spread: std {statistics.stdev(losses):.4f}; record 20's: 0.0018" in text
-    assert "record claim does NOT hold" in text  # a 1-step run is nowhere near 3.28
+    assert "record claim does NOT hold" in text  # a tiny run is nowhere near 3.28
     saved, again = reproduced(verdict)
     assert again == saved
 

@@ -11,12 +11,16 @@ import pytest
 import train_gpt as tg
 
 
-def dense_attention(q, k, v, docs, window):
-    """Oracle: full T x T scores with allowed(q,k) = k<=q AND same doc AND q//128 - k//128 < max(W,1)."""
-    T = q.shape[0]
-    i = np.arange(T)
+def allowed_mask(docs, window):
+    """The spec's token rule as a dense T x T matrix: k <= q AND same doc AND q//128 - k//128 < max(W, 1)."""
+    i = np.arange(len(docs))
     allowed = (i[None, :] <= i[:, None]) & (docs[:, None] == docs[None, :])
-    allowed &= (i[:, None] // 128 - i[None, :] // 128) < max(window, 1)
+    return allowed & ((i[:, None] // 128 - i[None, :] // 128) < max(window, 1))
+
+
+@jax.jit
+def dense_attention(q, k, v, allowed):
+    """Oracle: full T x T scores in fp32, masked by allowed_mask."""
     s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * 0.12
     p = jax.nn.softmax(jnp.where(allowed[None], s, -jnp.inf), axis=-1)
     return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32))
@@ -39,24 +43,34 @@ def rel_err(a, b):
     return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
+def weighted_sum(attention):
+    """attention -> (q, k, v, *rule, cotangent -> sum(attention(q, k, v, *rule) * cotangent)), for gradients."""
+    return lambda q, k, v, *rule_and_cot: jnp.sum(attention(q, k, v, *rule_and_cot[:-1]).astype(jnp.float32)
+                                                  * rule_and_cot[-1])
+
+
+# one compiled program each, for every window and document layout below (they are runtime values)
+ATTEND = jax.jit(tg.block_sparse_attention)
+ATTEND_GRADS = jax.jit(jax.grad(weighted_sum(tg.block_sparse_attention), argnums=(0, 1, 2)))
+DENSE_GRADS = jax.jit(jax.grad(weighted_sum(dense_attention), argnums=(0, 1, 2)))
+
+
 @pytest.mark.parametrize("long_window", [1, 2, 3, 5, 8, 11, 14])
 def test_matches_dense_oracle_outputs_and_gradients(long_window):
     rng = np.random.default_rng()
     T = 128 * 16
     q, k, v, _, docs = random_case(rng, T)
-    attend = jax.jit(tg.block_sparse_attention)
     for window in (long_window, long_window // 2):  # the long and the short (sw//2, may be 0) window
-        w = max(window, 1)  # the model passes max(sw_eff, 1), as the spec's rule does
-        out = attend(q, k, v, jnp.asarray(docs), jnp.int32(w))
-        ref = dense_attention(q, k, v, docs, window)
+        w = jnp.int32(max(window, 1))  # the model passes max(sw_eff, 1), as the spec's rule does
+        allowed = jnp.asarray(allowed_mask(docs, window))
+        out = ATTEND(q, k, v, jnp.asarray(docs), w)
+        ref = dense_attention(q, k, v, allowed)
         assert out.dtype == jnp.bfloat16 and out.shape == q.shape
         assert rel_err(out, ref) < 1e-2
 
         cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-        grads = jax.grad(lambda q, k, v: jnp.sum(tg.block_sparse_attention(q, k, v, jnp.asarray(docs), jnp.int32(w))
-                                                 .astype(jnp.float32) * cot), argnums=(0, 1, 2))(q, k, v)
-        ref_grads = jax.grad(lambda q, k, v: jnp.sum(dense_attention(q, k, v, docs, window) * cot),
-                             argnums=(0, 1, 2))(q, k, v)
+        grads = ATTEND_GRADS(q, k, v, jnp.asarray(docs), w, cot)
+        ref_grads = DENSE_GRADS(q, k, v, allowed, cot)
         for g, r in zip(grads, ref_grads):
             assert rel_err(g, r) < 2e-2
 

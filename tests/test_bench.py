@@ -1,5 +1,5 @@
 """bench.py: the analytic FLOP counts against independent references, the profile reader on hand-made
-traces, bad input, and the whole suite on CPU at the tiny shape (a subprocess)."""
+traces, bad input, and the whole suite on CPU at the smoke shape (a subprocess)."""
 import gzip
 import json
 import os
@@ -166,7 +166,7 @@ ROW_FIELDS = {"ms", "tokens_per_s", "gflop", "tflops", "mfu", "mfu_nominal", "xl
 
 
 def expected_rows(top):
-    rows = [f"train step w=1 (synced)", f"train step w={top} (synced)", f"train step w={top} (pipelined)",
+    rows = ["train step w=1 (synced)", f"train step w={top} (synced)", f"train step w={top} (pipelined)",
             f"validation step w={top}", "embeddings + value embeddings", "MLP (one layer)", "head + loss fp8",
             "head + loss bf16", "optimizer update (Adam + Muon)", "optimizer: Muon alone"]
     rows += [f"model fwd+bwd xla w={w} {head}" for w in (1, top) for head in ("fp8", "bf16")]
@@ -180,17 +180,18 @@ def expected_rows(top):
 
 def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
     out = tmp_path / "results" / "suite.txt"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--suite", "--repeats", "1",
-                           "--profile", str(tmp_path / "profile"), "--out", str(out)],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--suite", "--preset", "smoke",
+                           "--repeats", "1", "--profile", str(tmp_path / "profile"), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_text() == proc.stdout  # the table and the JSON line, both
     table, line = proc.stdout.rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     assert result["errors"] == [] and "FAILED" not in table
-    assert result["preset"] == "tiny" and result["sequences_per_device"] == 2
+    hp = bench.PRESETS["smoke"]
+    assert result["preset"] == "smoke" and result["sequences_per_device"] == hp.batch_size // hp.seq_len == 2
     top = result["windows"][1]
-    assert top == 14
+    assert top == tg.window_blocks(hp.num_iterations, hp) == 2
 
     assert set(result["compile"]) == {"train_cold_s", "train_warm_s", "val_cold_s", "val_warm_s"}
     assert all(s > 0 for s in result["compile"].values())
@@ -207,10 +208,10 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
         assert row["ms"] > 0, name
         assert name in table  # every row is in the printed table too
     for name in expected_rows(top):
-        if not name.startswith(("embeddings", "train step w=14 (pipelined)")):
+        if not name.startswith(("embeddings", f"train step w={top} (pipelined)")):
             assert rows[name]["gflop"] > 0 and 0 < rows[name]["mfu"] < 1, name
             assert rows[name]["xla_gflop"] is not None, name
-    assert rows["model fwd+bwd xla w=14 fp8"]["xla_loop"]  # the attention loop: XLA's count is no reference
+    assert rows[f"model fwd+bwd xla w={top} fp8"]["xla_loop"]  # the attention loop: XLA's count is no reference
     assert not rows["MLP (one layer)"]["xla_loop"]
     assert [b["part"] for b in result["breakdown"]][-1].startswith("rest")
     assert sum(b["ms"] for b in result["breakdown"]) == pytest.approx(t["ms_pipelined"])

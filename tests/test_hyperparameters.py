@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import train_gpt as tg

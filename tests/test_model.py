@@ -5,7 +5,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import train_gpt as tg
 
@@ -56,10 +55,12 @@ def test_init_values():
 
 def test_initial_loss_is_log_vocab():
     rng = np.random.default_rng()
-    params = tg.init_params(SMALL, 0)
-    tokens = jnp.asarray(rng.integers(0, 50257, 2 * SMALL.seq_len), jnp.int32)
-    for train in (True, False):
-        loss = jax.jit(tg.loss_fn, static_argnums=4)(params, tokens[::2], tokens[1::2], jnp.int32(2), train)
+    hp = dataclasses.replace(SMALL, num_layers=6)  # the zero head gives every layer count this loss
+    params = tg.init_params(hp, 0)
+    tokens = jnp.asarray(rng.integers(0, 50257, 2 * hp.seq_len), jnp.int32)
+    # the training (FP8) head and the eval head, in one program
+    losses = jax.jit(lambda p: [tg.loss_fn(p, tokens[::2], tokens[1::2], jnp.int32(2), t) for t in (True, False)])(params)
+    for loss in losses:
         assert abs(float(loss) - LN_V) < 1e-3
 
 
@@ -140,7 +141,10 @@ def test_forward_matches_float64_reference():
     tokens[rng.choice(T, 4, replace=False)] = 50256  # a few document starts
     p64 = {k: np.asarray(v, np.float64) for k, v in params.items()}
 
-    hidden = np.asarray(jax.jit(tg.gpt_hidden)(params, jnp.asarray(tokens[:-1], jnp.int32), jnp.int32(sw)), np.float64)
+    x, y = jnp.asarray(tokens[:-1], jnp.int32), jnp.asarray(tokens[1:], jnp.int32)
+    hidden, loss = jax.jit(lambda p: (tg.gpt_hidden(p, x, jnp.int32(sw)), tg.loss_fn(p, x, y, jnp.int32(sw), False)))(
+        params)  # one program for both
+    hidden = np.asarray(hidden, np.float64)
     ref = reference_hidden(p64, tokens[:-1], sw)
     err = np.linalg.norm(hidden - ref) / np.linalg.norm(ref)
     assert err < 0.03, err
@@ -151,8 +155,6 @@ def test_forward_matches_float64_reference():
     logits = 30 / (1 + np.exp(-(ref @ p64["lm_head.weight"].T) / 7.5))
     lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
     ref_loss = np.mean(lse - logits[np.arange(T), tokens[1:]])
-    loss = jax.jit(tg.loss_fn, static_argnums=4)(params, jnp.asarray(tokens[:-1], jnp.int32),
-                                                 jnp.asarray(tokens[1:], jnp.int32), jnp.int32(sw), False)
     assert abs(float(loss) - ref_loss) < 0.01 * abs(ref_loss - LN_V) + 1e-3, (float(loss), ref_loss)
 
 
@@ -203,15 +205,18 @@ def test_scalar_gradients_match_an_fp32_run():
     x, y = jnp.asarray(tokens[:-1], jnp.int32), jnp.asarray(tokens[1:], jnp.int32)
     scalars = [k for k, p in params.items() if p.ndim == 1]
     errors, fp32_sizes = [], []
+    # one program per dtype serves both windows (the window is a runtime value)
+    bf16_grads = jax.jit(jax.grad(lambda p, w: tg.loss_fn(p, x, y, w, True, False, dtype=jnp.bfloat16)))
+    with jax.default_matmul_precision("highest"):
+        fp32_grads = jax.jit(jax.grad(lambda p, w: tg.loss_fn(p, x, y, w, True, False, dtype=jnp.float32)))
     for window in (1, 14):
-        def scalar_grads(dtype):
-            grad_fn = jax.jit(jax.grad(lambda p: tg.loss_fn(p, x, y, jnp.int32(window), True, False, dtype=dtype)))
-            grads = grad_fn(params)
+        def scalar_grads(grad_fn):
+            grads = grad_fn(params, jnp.int32(window))
             return np.concatenate([np.asarray(grads[k], np.float64) for k in scalars])
 
-        bf16 = scalar_grads(jnp.bfloat16)
+        bf16 = scalar_grads(bf16_grads)
         with jax.default_matmul_precision("highest"):
-            fp32 = scalar_grads(jnp.float32)
+            fp32 = scalar_grads(fp32_grads)
         used = fp32 != 0  # attn.lambdas[1] of layers without value embeddings
         errors.append(np.abs(bf16 - fp32)[used] / np.abs(fp32[used]))
         fp32_sizes.append(np.abs(fp32[used]))

@@ -7,7 +7,7 @@ import pytest
 
 import train_gpt as tg
 
-SMALL = dataclasses.replace(tg.PRESETS["cpu"], model_dim=256, num_heads=2, seq_len=512)
+SMALL = dataclasses.replace(tg.PRESETS["cpu"], model_dim=256, num_heads=2, seq_len=512, vocab_size=1024)  # every name
 
 
 def random_params(hp, rng):

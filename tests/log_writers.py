@@ -1,0 +1,159 @@
+"""Record logs written by hand, in our layout (as train_gpt.py writes them) and in the PyTorch
+speedrun's, for the tests of records/ (test_records checks the first against the real trainer's)."""
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+import train_gpt as tg  # only for its Hyperparameters and source; the log lines are written here
+
+RULE = "=" * 100
+HP = dataclasses.replace(tg.PRESETS["cpu"], num_iterations=40, val_loss_every=10)
+
+
+def val_line(step, N, loss, ms, timed=None):
+    """A val line as both speedruns print it; `timed` = steps the clock covers (None: all `step`)."""
+    timed = step if timed is None else timed
+    avg = ms / timed if timed else math.nan
+    return f"step:{step}/{N} val_loss:{loss:.4f} train_time:{ms:.0f}ms step_avg:{avg:.2f}ms"
+
+
+def train_line(step, N, ms, timed=None):
+    timed = step if timed is None else timed
+    return f"step:{step}/{N} train_time:{ms:.0f}ms step_avg:{ms / timed if timed else math.nan:.2f}ms"
+
+
+# ---- our layout, written here (README.md, "Record logs"); a test below checks it against train()'s
+
+def write_log(path, hp, val_losses, step_ms, end="complete"):
+    """Header, info and compile lines, a val line every val_loss_every steps and at the end, a
+    train line per step, then the summary and `run complete` (or, for end="interrupted"/"stopped",
+    the line train() writes when that happens half-way)."""
+    with open(tg.__file__) as f:
+        lines = [f.read().rstrip("\n"), RULE, "Running Python 3.11.9 (main) [GCC 12.2.0]",
+                 "Running jax 0.10.2 jaxlib 0.10.2 optax 0.2.5 numpy 2.2.6 on Linux-x86_64",
+                 "Devices: 1 x cpu (cpu) in 1 process(es)", "nvidia-smi: not available", RULE,
+                 "Hyperparameters (preset cpu):", json.dumps(dataclasses.asdict(hp), indent=1), RULE]
+    N, every = hp.num_iterations, hp.val_loss_every
+    lines += [f"preset cpu: {N} steps x {hp.batch_size} tokens, 1 device(s); log {path}",
+              "compile: 12.3s for the train and validation steps (persistent cache: off)"]
+    train_ms, val = 0.0, iter(val_losses)
+    for step in range(N + 1):
+        if step == N or step % every == 0:
+            val_loss = next(val)
+            lines.append(val_line(step, N, val_loss, train_ms))
+        if step == N:
+            break
+        if step == N // 2 and end != "complete":
+            lines.append({"interrupted": f"interrupted at step {step} (SIGINT)",
+                          "stopped": f"stopped: non-finite train loss nan at step {step}"}[end])
+            break
+        train_ms += step_ms
+        lines.append(train_line(step + 1, N, train_ms))
+    if end == "complete":
+        lines += [f"summary final_val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms step_avg:{train_ms / N:.2f}ms "
+                  f"tokens_per_s:{N * hp.batch_size / train_ms * 1000:.0f} compile_s:12.3 peak_memory:n/a",
+                  "run complete"]
+    with open(path, "x") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+def random_curve(rng, n=5):
+    """n decreasing val losses."""
+    return list(np.sort(rng.uniform(3, 10, n))[::-1].round(4))
+
+
+# ---- the PyTorch speedrun's layout (records 18-22), written here
+
+TORCH_HYPERPARAMETERS = """\
+    # data
+    train_files = "data/fineweb10B/fineweb_train_*.bin" # training shards
+    val_files = "data/fineweb10B/fineweb_val_*.bin" # validation shards
+    val_tokens = 10485760 # fixed, for comparable val losses
+    # optimization
+    batch_size = 8*64*1024 # tokens per step
+    num_iterations = {N} # steps
+    cooldown_frac = 0.4 # last part of training with a decaying lr
+    # evaluation and logging
+    val_loss_every = {every} # 0: only at the end
+    # implementation
+    seq_len = 64*1024 # tokens per GPU
+    save_checkpoint = False
+"""
+# the 2025-01-26 records: shorter sequences, more steps, and no batch size among the hyperparameters
+TORCH_0126_HYPERPARAMETERS = """\
+    train_files = "data/fineweb10B/fineweb_train_*.bin" # training shards
+    val_files = "data/fineweb10B/fineweb_val_*.bin" # validation shards
+    val_tokens = 10485760 # fixed
+    num_iterations = {N} # steps
+    cooldown_frac = 0.4 # lr decay
+    val_loss_every = {every} # 0: only at the end
+    seq_len = 48*1024 # tokens per GPU
+    save_checkpoint = False
+"""
+
+TORCH_SCRIPT = '''import os
+import sys
+with open(sys.argv[0]) as f:
+    code = f.read()  # logged below
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Hyperparameters:
+{hyperparameters}args = Hyperparameters()
+
+
+def print0(s):
+    with open(logfile, "a") as f:
+        print(s, file=f)
+
+
+print0(code)
+print0("=" * 100)
+print0(f"step:{{step}}/{{args.num_iterations}} train_time:{{t:.0f}}ms")
+'''
+
+NVIDIA_SMI = """Fri Jan 17 05:37:55 2025
++-----------------------------------------------------------+
+| NVIDIA-SMI 550.127.05    Driver Version: 550.127.05       |
+|===========================================================|
+|   0  NVIDIA H100 80GB HBM3   On  |   7746MiB /  81559MiB  |
++-----------------------------------------------------------+
+"""
+
+
+def torch_script(N=40, every=10, hyperparameters=TORCH_HYPERPARAMETERS):
+    return TORCH_SCRIPT.format(hyperparameters=hyperparameters.format(N=N, every=every))
+
+
+def write_torch_log(path, val_losses, N=40, every=10, step_ms=120.0, compile_ms=17000.0,
+                    hyperparameters=TORCH_HYPERPARAMETERS, end="complete"):
+    """A log as the PyTorch speedrun's script writes it: print(code), a rule, versions, nvidia-smi,
+    a rule, then step lines whose clock restarts after step 10 (the first steps include
+    compilation), val lines every `every` steps and at the end, and the peak memory. end: "complete",
+    or where the file is cut off: "source", "environment" or "mid_run" (inside a step line)."""
+    script = torch_script(N, every, hyperparameters)
+    text = (script + "\n" + RULE + "\nRunning Python 3.12.7 (main, Jan 17 2025, 03:57:17) [GCC 13.2.0]\n"
+            "Running PyTorch 2.7.0.dev20250110+cu126 compiled for CUDA 12.6\n" + NVIDIA_SMI + "\n" + RULE + "\n")
+    ms, val = 0.0, iter(val_losses)
+    for step in range(N + 1):
+        if step == 10:
+            ms = 0.0  # the speedrun's clock restarts here
+        timed = None if step <= 11 else step - 10 + 1  # its step_avg is nan until step 12
+        if step == N or step % every == 0:
+            text += val_line(step, N, next(val), ms, timed and timed - 1 or 0) + "\n"
+        if step == N:
+            break
+        ms += step_ms + (compile_ms if step == 0 else 0)
+        text += train_line(step + 1, N, ms, timed or 0) + "\n"
+    text += "peak memory allocated: 37653 MiB reserved: 39236 MiB\n"
+    cut = {"complete": len(text), "source": text.index("class Hyperparameters") + 30,
+           "environment": text.index("NVIDIA-SMI") + 5, "mid_run": text.index(f"step:{N // 2 + 1}/{N}") + 8}[end]
+    with open(path, "x") as f:
+        f.write(text[:cut])
+    return str(path)
