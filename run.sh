@@ -59,7 +59,8 @@ if [ "${1:-}" = "test" ]; then
     shift
     python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
     export HF_HUB_OFFLINE=1
-    exec python -m pytest -q -n 2 tests "$@"  # two workers (tests/requirements.txt says why)
+    exec python -m pytest -q -n 2 --dist worksteal tests "$@"  # two workers (tests/requirements.txt says why);
+    # worksteal: an idle worker takes queued tests from the busy one, so the long tests do not end alone
 fi
 if [ "$attempt" = 1 ]; then  # a bad --runs (or other attempt option) exits 2 here, before any data work
     python records/attempt.py --check "$@"
