@@ -1,6 +1,7 @@
 """Device-count and process-count invariance: one device, 8 devices in one process, and 2 processes
 of 4 devices each (jax.distributed, gloo CPU collectives on 127.0.0.1) train the same; and a dead
 process stops the others."""
+import json
 import os
 import signal
 import socket
@@ -38,16 +39,53 @@ def finish(proc, timeout=600):
     return out
 
 
+# The train steps' own losses, which no log holds: train()'s compiled programs (persistent cache hits
+# after the tiny runs on 1 and 8 devices) for 4 steps on one batch, then the validation step on it.
+TRAIN_LOSSES_SCRIPT = """
+import dataclasses, json, sys
+import jax, numpy as np
+import train_gpt as tg
+args, overrides = tg.parse_args(sys.argv[1:])
+hp = dataclasses.replace(tg.PRESETS[args.preset], **overrides)
+tg.enable_compile_cache(hp.compile_cache_dir)
+mesh = tg.make_mesh()
+replicated, by_rows = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s)) for s in ((), ("dp",)))
+optimizer = tg.make_optimizer(hp, mesh)
+params = jax.jit(tg.init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
+state = jax.jit(optimizer.init, out_shardings=replicated)(params)
+train_step, val_step = tg.compile_steps(hp, mesh, params, state, optimizer)
+inputs = tg.check_inputs(hp, mesh)
+batch = next(tg.token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows))
+x, y = (jax.device_put(b, by_rows) for b in batch)
+losses = []
+for step in range(4):  # one batch, seen 4 times: the loss must fall
+    params, state, loss = train_step(params, state, x, y, np.int32(tg.window_blocks(step, hp)))
+    losses.append(float(loss))
+print(json.dumps(losses + [float(val_step(params, x, y, np.int32(2)))]))
+"""
+
+
+def train_losses(tiny_args, records, devices):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.Popen([sys.executable, "-c", TRAIN_LOSSES_SCRIPT, *tiny_args(records)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_one_device_eight_devices_and_two_processes_of_four_train_the_same(tiny_attempt, tiny_args, tmp_path):
     """The tiny run (conftest's attempt, seed 0: one device) against the same flags on 8 devices in one
-    process and on 2 processes of 4 devices: the same val curve at every validation. Only the order of float
-    sums differs (8 sequences accumulated on one device vs a cross-device mean, reductions across
-    processes), which bf16 activations amplify a little."""
+    process and on 2 processes of 4 devices: the same val curve at every validation; and the train steps'
+    losses on 1 and 8 devices. Only the order of float sums differs (8 sequences accumulated on one device
+    vs a cross-device mean, reductions across processes), which bf16 activations amplify a little."""
     port = free_port()
     single = launch(tiny_args, tmp_path / "eight", devices=8)  # independent of the pair: started together
     procs = [launch(tiny_args, tmp_path / "two", 4, i, 2, port) for i in range(2)]
     finish(single)
+    steps = [train_losses(tiny_args, tmp_path / "steps", n) for n in (1, 8)]  # once both programs are cached
     outs = [finish(p) for p in procs]
+    steps_one, steps_eight = (json.loads(finish(p).strip().splitlines()[-1]) for p in steps)
+    assert abs(steps_one[0] - np.log(TINY_VOCAB)) < 1e-3
+    np.testing.assert_allclose(steps_eight, steps_one, rtol=0, atol=2e-3)
+    assert steps_one[-1] < steps_one[0] - 1  # the steps learned the batch
     (eight_log,) = (tmp_path / "eight").iterdir()
     (two_log,) = (tmp_path / "two").iterdir()  # only process 0 writes a log
     assert "val_loss" in outs[0] and "step:" not in outs[1]  # and only process 0 prints (gloo chats anyway)

@@ -1,6 +1,7 @@
 """The training loop: gradient accumulation and whole runs of train_gpt.py (record log, errors,
 interrupts, the one-step-late loss read). Device-count invariance is in test_distributed."""
 import dataclasses
+import glob
 import os
 import re
 import signal
@@ -76,7 +77,7 @@ def test_a_tiny_run_writes_a_log_that_parses_back(tiny_attempt):
 
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "seq_len", "records_dir",
                                   "vocab"])
-def test_bad_input_fails_before_writing_anything(case, tiny_args, tmp_path, capsys):
+def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shards, tmp_path, capsys):
     """In this process through main(): these fail before anything compiles (the 3-device case below
     shows the same exit code 2 from a process of its own)."""
     records = tmp_path / "records"
@@ -95,8 +96,10 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, tmp_path, caps
         overrides, expect = {"--val-tokens": 1024 * 1024}, "--val-tokens"
     elif case == "seq_len":
         overrides, expect = {"--seq-len": 1000}, "multiple of 128"
-    elif case == "vocab":  # the test shards' largest token id is ~2,000
-        overrides, expect = {"--vocab-size": 1000}, "but --vocab-size is 1000"
+    elif case == "vocab":  # the boundary: a vocabulary that just misses the shards' largest token id
+        largest = max(int(tg.open_shard(p).max()) for kind in ("--train-files", "--val-files")
+                      for p in glob.glob(synthetic_shards[kind]))
+        overrides, expect = {"--vocab-size": largest}, f"holds token id {largest}, but --vocab-size is {largest}"
     elif case == "records_dir":
         (tmp_path / "a_file").write_text("")
         overrides, expect = {"--records-dir": str(tmp_path / "a_file" / "records")}, "records"
@@ -129,8 +132,8 @@ def test_sigterm_ends_the_log_with_interrupted(tiny_args, run_train, tmp_path):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"),
                              *tiny_args(records)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        for line in proc.stdout:  # wait until training runs (6 steps before the end)
-            if line.startswith("step:2/"):
+        for line in proc.stdout:  # wait until training runs (7 steps, ~2 s, before the end)
+            if line.startswith("step:1/"):
                 break
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)  # reads both pipes: a full pipe cannot block the run's exit
