@@ -24,7 +24,7 @@ def train_line(step, N, ms, timed=None):
     return f"step:{step}/{N} train_time:{ms:.0f}ms step_avg:{ms / timed if timed else math.nan:.2f}ms"
 
 
-# ---- our layout, written here (README.md, "Record logs"); a test below checks it against train()'s
+# ---- our layout, written here (README.md, "Record logs"); test_records checks it against train()'s
 
 def write_log(path, hp, val_losses, step_ms, end="complete"):
     """Header, info and compile lines, a val line every val_loss_every steps and at the end, a

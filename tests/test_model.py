@@ -207,16 +207,16 @@ def test_scalar_gradients_match_an_fp32_run():
     errors, fp32_sizes = [], []
     # one program per dtype serves both windows (the window is a runtime value)
     bf16_grads = jax.jit(jax.grad(lambda p, w: tg.loss_fn(p, x, y, w, True, False, dtype=jnp.bfloat16)))
-    with jax.default_matmul_precision("highest"):
-        fp32_grads = jax.jit(jax.grad(lambda p, w: tg.loss_fn(p, x, y, w, True, False, dtype=jnp.float32)))
-    for window in (1, 14):
-        def scalar_grads(grad_fn):
-            grads = grad_fn(params, jnp.int32(window))
-            return np.concatenate([np.asarray(grads[k], np.float64) for k in scalars])
+    fp32_grads = jax.jit(jax.grad(lambda p, w: tg.loss_fn(p, x, y, w, True, False, dtype=jnp.float32)))
 
-        bf16 = scalar_grads(bf16_grads)
-        with jax.default_matmul_precision("highest"):
-            fp32 = scalar_grads(fp32_grads)
+    def scalar_grads(grad_fn, window):
+        grads = grad_fn(params, jnp.int32(window))
+        return np.concatenate([np.asarray(grads[k], np.float64) for k in scalars])
+
+    for window in (1, 14):
+        bf16 = scalar_grads(bf16_grads, window)
+        with jax.default_matmul_precision("highest"):  # read when the call traces: part of the program's key
+            fp32 = scalar_grads(fp32_grads, window)
         used = fp32 != 0  # attn.lambdas[1] of layers without value embeddings
         errors.append(np.abs(bf16 - fp32)[used] / np.abs(fp32[used]))
         fp32_sizes.append(np.abs(fp32[used]))
