@@ -364,8 +364,7 @@ def model_rows(table, hp, params, inputs_T, targets_T, docs_T, repeats, windows,
 def build_steps(hp, mesh):
     replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     optimizer = tg.make_optimizer(hp, mesh)
-    params = jax.jit(tg.init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
-    opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
+    params, opt_state = tg.initial_state(hp, mesh, optimizer)
     train_step, val_step = tg.make_steps(hp, mesh, optimizer)
     batch = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=rows)
     window = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)

@@ -1165,6 +1165,16 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
     return Inputs(train_files, val_batches, rows, per_device)
 
 
+def initial_state(hp: Hyperparameters, mesh, optimizer, init_path: str = None):
+    """(params, optimizer state), replicated on every device: params from init_path's weights, or seeded."""
+    replicated = NamedSharding(mesh, P())
+    if init_path:
+        params = jax.device_put(load_weights(init_path, hp), replicated)
+    else:
+        params = jax.jit(init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
+    return params, jax.jit(optimizer.init, out_shardings=replicated)(params)
+
+
 def compile_steps(hp: Hyperparameters, mesh, params, opt_state, optimizer):
     """The train and validation steps, compiled ahead of time for the batch's shape and shardings."""
     train_step, val_step = make_steps(hp, mesh, optimizer)
@@ -1271,13 +1281,9 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         console("checking shards and flags ...")
         inputs = check_inputs(hp, mesh, init_path, save_path)
-        by_rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
+        by_rows = NamedSharding(mesh, P("dp"))
         optimizer = make_optimizer(hp, mesh)
-        if init_path:
-            params = jax.device_put(load_weights(init_path, hp), replicated)
-        else:
-            params = jax.jit(init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
-        opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
+        params, opt_state = initial_state(hp, mesh, optimizer, init_path)
         console(f"compiling the train and validation steps (persistent cache: {hp.compile_cache_dir or 'off'}) ...")
         t0 = time.perf_counter()
         train_step, val_step = compile_steps(hp, mesh, params, opt_state, optimizer)

@@ -127,7 +127,7 @@ def test_non_finite_loss_stops_and_closes_the_log(tiny_args, run_train, tmp_path
     assert before.startswith(f"step:{stopped_at - 1}/") or (stopped_at == 1 and "val_loss" in before), (before, last)
 
 
-def test_sigterm_ends_the_log_with_interrupted(tiny_args, run_train, tmp_path):
+def test_sigterm_ends_the_log_with_interrupted(tiny_args, tmp_path):
     records = tmp_path / "records"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"),
                              *tiny_args(records)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -187,8 +187,7 @@ def test_loss_is_read_one_step_late_without_changing_losses_or_lines(tiny_hp, tm
     assert "ETA" in capsys.readouterr().out  # on the console only
 
     optimizer = tg.make_optimizer(hp, mesh)
-    params = jax.jit(tg.init_params, static_argnums=(0, 1))(hp, hp.seed)  # as train() does: one compiled program
-    state = jax.jit(optimizer.init)(params)
+    params, state = tg.initial_state(hp, mesh, optimizer)  # as train() starts
     inputs = tg.check_inputs(hp, mesh)
     train_step, val_step = tg.compile_steps(hp, mesh, params, state, optimizer)
     batches = tg.token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows)
