@@ -1,0 +1,299 @@
+"""The record-89 port's model pieces against independent float64 oracles (brute-force loops and dense
+masks), fresh random inputs; numbers read from the PyTorch reference (ref89.py) are named where used."""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from records.port89 import train_gpt as m
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+SMALL = dataclasses.replace(m.PRESETS["record"], head_dim=16, bigram_vocab_size=1000)
+
+
+def bf16(x):
+    return np.asarray(jnp.asarray(x, F32).astype(BF16).astype(F32), np.float64)
+
+
+def dense_attention(q, k, v, docs, window, scale):
+    """float64 oracle: softmax over keys j of the same document with 0 <= i - j <= window."""
+    T, H, K = q.shape
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    ok = (i - j >= 0) & (i - j <= window) & (docs[:, None] == docs[None, :])
+    s = np.einsum("ihd,jhd->hij", q, k) * scale
+    s = np.where(ok[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hij,jhd->ihd", p, v)
+
+
+@pytest.mark.parametrize("window", [0, 100, 128, 300])
+def test_window_attention_matches_dense_attention_and_its_gradients(window):
+    rng = np.random.default_rng(window)
+    T, H, K = 512, 2, 16
+    q, k, v = (bf16(rng.normal(size=(T, H, K))) for _ in range(3))
+    docs = np.cumsum(rng.random(T) < 0.004).astype(np.int32)
+    docs[200:] += 1  # at least one boundary
+    scale = 0.3
+    want = dense_attention(q, k, v, docs, window, scale)
+    args = [jnp.asarray(x, BF16) for x in (q, k, v)]
+    got = m.window_attention(*args, jnp.asarray(docs), jnp.int32(window), jnp.float32(scale))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2, rtol=2e-2)
+    # gradients of <out, c> against the float64 oracle's finite differences would be slow: use autodiff
+    # of a dense float32 JAX version of the oracle instead (independent of the block loop)
+    c = rng.normal(size=(T, H, K))
+
+    def dense_jax(q, k, v):
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        ok = (i - j >= 0) & (i - j <= window) & (docs[:, None] == docs[None, :])
+        s = jnp.where(ok[None], jnp.einsum("ihd,jhd->hij", q, k) * scale, -jnp.inf)
+        return jnp.sum(jnp.einsum("hij,jhd->ihd", jax.nn.softmax(s, -1), v) * c)
+
+    want_g = jax.grad(dense_jax, argnums=(0, 1, 2))(*(jnp.asarray(x, F32) for x in (q, k, v)))
+    got_g = jax.grad(lambda *a: jnp.sum(m.window_attention(*a, jnp.asarray(docs), jnp.int32(window),
+                                                           jnp.float32(scale)).astype(F32) * c), argnums=(0, 1, 2))(*args)
+    for g, w in zip(got_g, want_g):
+        g, w = np.asarray(g, np.float64).ravel(), np.asarray(w, np.float64).ravel()
+        if not w.any():  # window 0: each query sees only itself, so q and k get no gradient
+            assert np.abs(g).max() < 1e-5
+            continue
+        assert g @ w / (np.linalg.norm(g) * np.linalg.norm(w)) > 0.999
+        assert abs(np.linalg.norm(g) / np.linalg.norm(w) - 1) < 0.02
+
+
+def test_dc_correction_matches_a_per_token_loop():
+    rng = np.random.default_rng(1)
+    T, H, K = 256, 6, 8
+    q, k, v = (bf16(rng.normal(size=(T, H, K))) for _ in range(3))
+    w1, w2 = bf16(rng.normal(size=(T, H))), bf16(rng.normal(size=(T, H)))
+    docs = np.zeros(T, np.int32)
+    docs[150:] = 1
+    scale = 0.2
+    want = np.zeros((T, H, K))
+    for i in range(T):
+        keys = [j for j in range(max(0, i - m.DC_WINDOW + 1), i + 1) if docs[j] == docs[i]]
+        p = np.zeros((H, len(keys)))
+        for g in range(H):
+            s = np.array([q[i, g] @ k[j, g] for j in keys]) * scale
+            p[g] = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+        mixed = w1[i] @ p  # sum over heads g of w1_g p_g
+        for h in range(H):
+            want[i, h] = (w2[i, h] * mixed) @ v[keys, h]
+    got = m.dc_correction(*(jnp.asarray(x, BF16) for x in (q, k, v)), jnp.asarray(docs),
+                          jnp.asarray(w1, BF16), jnp.asarray(w2, BF16), jnp.float32(scale))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=3e-2 * np.abs(want).max())
+
+
+def test_bigram_hash_is_the_references_wrapping_int32_hash():
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 50304, 300)
+    buckets = 377280
+    got = np.asarray(m.bigram_hash(jnp.asarray(x, jnp.int32), buckets))
+
+    def wrap(v):  # two's-complement int32
+        v &= 0xFFFFFFFF
+        return v - (1 << 32) if v >= 1 << 31 else v
+
+    prev, want = buckets - 1, [buckets - 1]
+    for t in range(1, len(x)):
+        h = wrap(wrap(36313 * int(x[t])) ^ wrap(27191 * prev))
+        want.append(h % (buckets - 1))  # Python's % floors, as torch's
+        prev = int(x[t])
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_rotary_uses_bf16_tables_of_fp32_angles_on_adjacent_lane_pairs(paired):
+    rng = np.random.default_rng(3)
+    T, H, K = 64, 6, 16
+    x = bf16(rng.normal(size=(T, H, K)))
+    freq = m.rope_freqs(K)
+    pos = np.arange(T)
+    got = np.asarray(m.rotary(jnp.asarray(x, BF16), jnp.asarray(freq), jnp.asarray(pos, F32), paired), np.float64)
+    want = np.zeros_like(x)
+    for t in range(T):
+        for h in range(H):
+            # paired: head 2p takes the angles of position 2t, head 2p+1 those of 2t+1
+            angle_pos = (2 * t + h % 2) if paired else t
+            theta = (np.float32(angle_pos) * freq).astype(np.float32)
+            c, s = bf16(np.cos(theta)), bf16(np.sin(theta))
+            for lane in range(0, K, 2):
+                a, b = x[t, h, lane], x[t, h, lane + 1]
+                want[t, h, lane] = c[lane] * a + s[lane] * b
+                want[t, h, lane + 1] = c[lane + 1] * b - s[lane + 1] * a
+    np.testing.assert_allclose(got, bf16(want), atol=1e-2)
+    assert np.array_equal(got[..., K // 2:], x[..., K // 2:])  # the upper half does not rotate
+
+
+def test_yarn_scales_the_softmax_as_the_reference_logs_it():
+    hp = m.PRESETS["record"]
+    # attn_scale printed by `ref89.py loss --stage 1` and `--stage 2` (record 89, seed 0): 0.116946, 0.127518
+    assert m.yarn_state(423, hp)[1] == pytest.approx(0.116946, abs=1e-6)
+    assert m.yarn_state(847, hp)[1] == pytest.approx(0.127518, abs=1e-6)
+    assert m.yarn_state(0, hp)[1] == 0.1
+    freq0, freq2 = m.yarn_state(0, hp)[0], m.yarn_state(847, hp)[0]
+    assert (freq2 <= freq0).all() and freq2[0] == freq0[0]  # fast frequencies stay, slow ones are interpolated
+    assert freq2[62] < freq0[62] * 0.3  # slowest frequency scaled by about 384/1408
+    _, _, = m.windows(1284, hp, final_val=True)
+    assert m.windows(1284, hp, final_val=True) == (768, 2560) and m.yarn_state(1285, hp)[1] == m.yarn_state(1270, hp)[1]
+
+
+def test_train_head_loss_matches_float64_on_the_same_fp8_logits():
+    rng = np.random.default_rng(4)
+    T, D, V = 64, 32, 512
+    x = bf16(rng.normal(size=(T, D)))
+    w = bf16(rng.normal(size=(D, V)) * 0.05)
+    targets = rng.integers(0, V, T)
+    prefix = np.where(rng.random(T) < 0.5, rng.integers(0, V, T), -1)
+    mtp, pw = np.array([1.0, 0.5, 0.25], np.float32), np.float32(0.25)
+    cols, ws, total = m._loss_targets(jnp.asarray(targets, jnp.int32), jnp.asarray(mtp), jnp.asarray(prefix, jnp.int32),
+                                      jnp.float32(pw), V)
+    loss_sum, losses = m.train_head_loss(jnp.asarray(x, BF16), jnp.asarray(w, BF16), cols, ws, total)
+    # oracle: the same e4m3 operands, then everything in float64
+    x8 = np.asarray(jnp.asarray(x / m.LM_HEAD_X_S, F32).astype(m.E4M3).astype(F32), np.float64)
+    w8 = np.asarray(jnp.asarray(w / m.LM_HEAD_W_S, F32).astype(m.E4M3).astype(F32), np.float64)
+    u = bf16(x8 @ w8 * m.LM_HEAD_X_S * m.LM_HEAD_W_S)
+    z = 23 * bf16(1 / (1 + np.exp(-(u + 5) / 7.5)))
+    lse = np.log(np.exp(z).sum(1))
+    want = np.zeros(T)
+    for i in range(T):
+        for k, wk in enumerate(mtp):
+            if i + k < T:
+                want[i] += wk * (lse[i] - z[i, targets[i + k]])
+        if prefix[i] >= 0:
+            want[i] += pw * (lse[i] - z[i, prefix[i]])
+    np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-4, atol=1e-3)
+    assert float(loss_sum) == pytest.approx(want.sum(), rel=1e-4)
+    # gradient of the sum: compare with float64 autodiff-free formula through the same operands
+    dx, dw = jax.grad(lambda a, b: m.train_head_loss(a, b, cols, ws, total)[0], argnums=(0, 1))(
+        jnp.asarray(x, BF16), jnp.asarray(w, BF16))
+    p = np.exp(z - lse[:, None])
+    grad_z = np.zeros((T, V))
+    for i in range(T):
+        grad_z[i] = (mtp.sum() + (pw if prefix[i] >= 0 else 0)) * p[i]
+        for k, wk in enumerate(mtp):
+            if i + k < T:
+                grad_z[i, targets[i + k]] -= wk
+        if prefix[i] >= 0:
+            grad_z[i, prefix[i]] -= pw
+    s = z / 23
+    grad_u = grad_z * 23 / 7.5 * s * (1 - s)
+    for got, want in [(dx, grad_u @ w8.T * m.LM_HEAD_W_S), (dw, x8.T @ grad_u * m.LM_HEAD_X_S)]:
+        got, want = np.asarray(got, np.float64).ravel(), want.ravel()
+        assert got @ want / (np.linalg.norm(got) * np.linalg.norm(want)) > 0.995  # e5m2 keeps 2 mantissa bits
+        assert abs(np.linalg.norm(got) / np.linalg.norm(want) - 1) < 0.05
+
+
+def test_fp8_mlp_forward_and_bf16_backward():
+    rng = np.random.default_rng(5)
+    T, D, F = 128, 32, 128
+    x = bf16(rng.normal(size=(T, D)))
+    w1, w2 = bf16(rng.uniform(-0.1, 0.1, (F, D))), bf16(rng.uniform(-0.1, 0.1, (F, D)))
+    pre = x @ w1.T
+    want = np.maximum(pre, 0) ** 2 @ w2
+    w2_scale = jnp.float32(np.abs(w2).max() * 1.12 / 448)
+    act_scale = jnp.float32((np.maximum(pre, 0) ** 2).max() * 1.8 / 448)
+    valid = jnp.ones(T, bool)
+    (out, amax) = m.mlp_fp8(jnp.asarray(x, BF16), jnp.asarray(w1, BF16), jnp.asarray(w2, BF16), w2_scale, act_scale, valid)
+    out = np.asarray(out, np.float64)
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 0.1  # three e4m3 operands
+    assert float(amax) == pytest.approx((np.maximum(pre, 0) ** 2).max(), rel=0.02)
+    bf = np.asarray(m.mlp_bf16(*(jnp.asarray(a, BF16) for a in (x, w1, w2))), np.float64)
+    assert np.linalg.norm(bf - want) / np.linalg.norm(want) < 0.01
+    # backward: relu'(pre)·2·relu(pre) through sqrt(post), in bf16, against float64
+    g = rng.normal(size=(T, D))
+    grads = jax.grad(lambda *a: jnp.sum(m.mlp_fp8(*a, w2_scale, act_scale, valid)[0].astype(F32) * g), argnums=(0, 1, 2))(
+        *(jnp.asarray(a, BF16) for a in (x, w1, w2)))
+    r = np.maximum(pre, 0)
+    dpre = 2 * r * (g @ w2.T)
+    wants = (dpre @ w1, dpre.T @ x, (r ** 2).T @ g)
+    for got, want in zip(grads, wants):  # from the FP8 path's post-activation, as the reference saves it
+        got = np.asarray(got, np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+    grads = jax.grad(lambda *a: jnp.sum(m.mlp_bf16(*a).astype(F32) * g), argnums=(0, 1, 2))(
+        *(jnp.asarray(a, BF16) for a in (x, w1, w2)))
+    for got, want in zip(grads, wants):
+        got = np.asarray(got, np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+
+
+def test_init_draws_the_references_distributions_and_zeros():
+    p = m.init_params(SMALL, seed=0)
+    D = SMALL.model_dim
+    bound = 3**0.5 * 0.5 * D**-0.5
+    for name, shape in m.param_shapes(SMALL).items():
+        assert p[name].shape == shape[0] and p[name].dtype == shape[1], name
+    qk, vo, mlp = (np.asarray(p[k], np.float64) for k in ("qk_bank", "vo_bank", "mlp_bank"))
+    n_qk, n_vo = m.num_qk_matrices(), 2 * len(m.ATTN_LAYERS)
+    assert n_qk == 60 and qk.shape[0] == 64 and not qk[n_qk:].any() and not vo[n_vo:].any()
+    for real in (qk[:n_qk], vo[:n_vo], mlp[:, 0]):
+        assert np.abs(real).max() <= bound and real.std() == pytest.approx(bound / 3**0.5, rel=0.02)
+    assert not mlp[:, 1].any()  # c_proj starts at zero
+    assert np.array_equal(np.asarray(p["embed.weight"]), np.asarray(p["lm_head.weight"]).T)
+    assert float(np.asarray(p["lm_head.weight"], np.float64).std()) == pytest.approx(0.005, rel=0.02)
+    assert float(np.asarray(p["value_embeds"], np.float64).std()) == pytest.approx(0.01, rel=0.02)
+    for zero in ("smear_gate.weight", "bigram_embed.weight", "mudd_w2", "mudd_gate_w2", "ve_gate_bank"):
+        assert not np.asarray(p[zero]).any(), zero
+    w1 = np.asarray(p["mudd_w1"], np.float64)
+    assert np.abs(w1).max() <= D**-0.5 and w1.std() == pytest.approx(D**-0.5 / 3**0.5, rel=0.05)
+    # biases and scalars, as the reference's init_mudd / init_mudd_gate / init_misc set them (bf16 biases)
+    b2, gb2 = np.asarray(p["mudd_b2"], np.float64), np.asarray(p["mudd_gate_b2"], np.float64)
+    assert b2[0, 6] == 20 and b2[0, 8] == bf16(1.1**0.5 / 0.1) and b2[1, 1] == -5 and b2[0, 10] == 0
+    assert (gb2[:, 12:18] == 2.5).all() and gb2[1, 28] == 5 and (gb2[1, 29:35] == 10).all()
+    assert gb2[0, 19:26:2].tolist() == [0.5] * 4 and gb2[1, 19:28:2].tolist() == [0.5] * 5
+    s = np.asarray(p["scalars"])
+    assert s.shape == (24,) and s[:22].tolist() == [0.5, 1.0] * 11 and s[22] == 0 and s[23] == -1.5
+    assert np.asarray(p["resid_lambdas"]).tolist() == [[1.1**0.5] * 2] * 11 or np.allclose(p["resid_lambdas"], 1.1**0.5)
+    signs = np.asarray(p["bigram_sign_table"], np.float64)
+    assert set(np.unique(signs)) == {-1.0, 1.0} and abs(signs.mean()) < 0.05
+
+
+def test_prefix_table_is_the_longest_proper_prefix_token():
+    table = m.prefix_table(50304)
+    import tiktoken.load
+    ranks = tiktoken.load.load_tiktoken_bpe(m.GPT2_VOCAB)
+    by_id = {t: b for b, t in ranks.items()}
+    rng = np.random.default_rng(6)
+    for t in rng.choice(50256, 300, replace=False):
+        b = by_id[int(t)]
+        prefixes = [ranks[b[:n]] for n in range(1, len(b)) if b[:n] in ranks]
+        assert table[t] == (prefixes[-1] if prefixes else -1)
+    assert (table[50256:] == -1).all() and (table[:256] == -1).all()  # single bytes have no proper prefix
+    # 'ĠThe' -> 'ĠTh'... checked by ids: the token for b" the" has prefix b" th"
+    assert table[ranks[b" the"]] == ranks[b" th"]
+
+
+def test_the_whole_model_at_init_predicts_uniformly_and_gets_the_references_zero_gradients():
+    hp = SMALL
+    p = m.init_params(hp, seed=1)
+    rng = np.random.default_rng(7)
+    toks = rng.integers(0, 50256, 257)
+    toks[0] = toks[100] = m.BOS
+    val = np.asarray(m.loss_fn(p, toks, hp, 900, training=False))
+    assert abs(val.mean() - math.log(50304)) < 0.02
+    train = np.asarray(m.loss_fn(p, toks, hp, 0, training=True))
+    # per token: (1 + .5 + .25 + prefix .25 where the target has a prefix) x ln V, fewer MTP terms at the end
+    prefixed = m.prefix_table(50304)[toks[1:201]] >= 0  # the prefix term counts where the target has one
+    assert abs(train[:200].mean() / math.log(50304) - (1.75 + 0.25 * prefixed.mean())) < 0.02
+    # a sequence that is not a multiple of 128 is padded after its end; what the padding holds changes
+    # nothing (causal attention, no loss, left out of the FP8 amaxes): here it holds huge-norm tokens
+    c_proj = jax.random.uniform(jax.random.PRNGKey(0), p["mlp_bank"][:, 1].shape, F32, -0.03, 0.03)
+    pm = {**p, "mlp_bank": p["mlp_bank"].at[:, 1].set(c_proj.astype(BF16))}  # else the MLPs output 0 at init
+    cut = np.asarray(m.loss_fn(pm, toks[:201], hp, 0, training=True))
+    inputs, targets, T = m.padded_sequence(toks[:201])
+    loud = 50300  # a padding row of the vocabulary, made one-hot: after the norm its one entry is sqrt(D)
+    p2 = {**pm, "embed.weight": p["embed.weight"].at[loud].set(0).at[loud, 0].set(1)}
+    inputs = inputs.at[T:].set(loud)
+    again = m._jit_sequence_loss(p2, inputs, targets, m.schedule_values(0, hp), True, m.fp8_mlp_scales(p2, 0, hp),
+                                 m.prefix_targets(jnp.asarray(m.prefix_table(hp.padded_vocab)), targets))[1]
+    assert cut.shape == (200,) and np.array_equal(np.asarray(again)[:T], cut)
+    grads, _ = m.train_grads(p, toks, hp, 1)
+    # zero at init, as measured on the reference (ref89 README, pitfall 7): their downstream weights are zero
+    for name in ("mudd_w1", "mudd_gate_w1", "smear_gate.weight"):
+        assert not np.asarray(grads[name]).any(), name
+    assert not np.asarray(grads["mlp_bank"][:, 0]).any()
+    assert np.asarray(grads["mlp_bank"][:11, 1]).any() and np.asarray(grads["qk_bank"][:60]).any()
+    assert not np.asarray(grads["qk_bank"][60:]).any() and not np.asarray(grads["mlp_bank"][11]).any()
