@@ -56,14 +56,20 @@ def locked():
         yield
 
 
+def parser(doc: str, tokens_help: str = "a flat token array (.npy)") -> argparse.ArgumentParser:
+    """The options every ref89 comparison takes: the reference, its Python, weights, tokens, scratch folder."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ref89", required=True, help="ref89.py")
+    ap.add_argument("--torch-python", required=True, help="a Python with torch for it")
+    ap.add_argument("--weights", required=True, help="an npz as ref89.py init writes it")
+    ap.add_argument("--tokens", required=True, help=tokens_help)
+    ap.add_argument("--workdir", default=tempfile.gettempdir(), help="scratch files (deleted once compared)")
+    return ap
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ref89", required=True)
-    ap.add_argument("--torch-python", required=True)
-    ap.add_argument("--weights", required=True)
-    ap.add_argument("--tokens", required=True)
+    ap = parser(__doc__)
     ap.add_argument("--steps", default="1,423,847,1271")
-    ap.add_argument("--workdir", default=tempfile.gettempdir())
     ap.add_argument("--jitter-rel", type=float, default=2e-3)
     ap.add_argument("--verbose", action="store_true", help="print every piece, not only the summary per parameter")
     a = ap.parse_args()

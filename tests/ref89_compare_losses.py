@@ -9,18 +9,16 @@ mean losses, their relative difference (the issue's bound: 1e-3) and the per-tok
 max). Cases: sK = training at the first step of stage K (ref89 --stage K), stepN = training at step
 N, eval = validation at stage 2, final = the final validation (long window 20 blocks, no YaRN update).
 """
-import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from records.port89 import train_gpt as port  # noqa: E402
-from ref89_compare_grads import locked  # noqa: E402
+from ref89_compare_grads import locked, parser  # noqa: E402
 
 
 def case_args(case, hp):
@@ -38,14 +36,9 @@ def case_args(case, hp):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ref89", required=True)
-    ap.add_argument("--torch-python", required=True)
-    ap.add_argument("--weights", required=True)
-    ap.add_argument("--tokens", required=True)
+    ap = parser(__doc__)
     ap.add_argument("--eval-tokens", help="tokens for eval/final (default: --tokens)")
     ap.add_argument("--cases", default="s0,s1,s2,s3,eval,final")
-    ap.add_argument("--workdir", default=tempfile.gettempdir())
     a = ap.parse_args()
     hp = port.PRESETS["record"]
     weights = port.load_weights(a.weights, hp)

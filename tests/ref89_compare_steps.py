@@ -10,27 +10,20 @@ ratio of the port's update vs the reference's, next to the jittered reference's 
 a parameter is within noise when the port's distance is at most twice the noise's. ref89 runs under
 `flock /tmp/ref89.lock` (each side needs 10-15 GB); outputs are deleted.
 """
-import argparse
 import os
 import sys
-import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from records.port89 import train_gpt as port  # noqa: E402
 
-from ref89_compare_grads import distance, locked, pieces, run  # noqa: E402
+from ref89_compare_grads import distance, locked, parser, pieces, run  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ref89", required=True)
-    ap.add_argument("--torch-python", required=True)
-    ap.add_argument("--weights", required=True)
-    ap.add_argument("--tokens", required=True, help="one .npy per step, comma-separated")
+    ap = parser(__doc__, "one .npy per step, comma-separated")
     ap.add_argument("--steps", default="1,423,847,1271")
-    ap.add_argument("--workdir", default=tempfile.gettempdir())
     ap.add_argument("--jitter-rel", type=float, default=2e-3)
     a = ap.parse_args()
     hp = port.PRESETS["record"]
