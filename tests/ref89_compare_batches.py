@@ -1,7 +1,7 @@
 """Same batches as the reference (issue 33): records/port89/train_gpt.py (section 4)'s training stream against the
 record-89 reference's own loader, replayed by ref89.py `batches` (not part of the test suite).
 
-    python tests/ref89_compare_batches.py --shard-dir /tmp/me/shards --python ~/.cache/seed-torch-venv/bin/python \
+    python tests/ref89_compare_batches.py --shard-dir /tmp/me/shards --torch-python ~/.cache/seed-torch-venv/bin/python \
         --ref89 /work/shared/ref89/ref89.py [--steps 0,1,423,847,1270] [--ranks 0,7] [--delete]
 
 Writes synthetic shards (5 x 100M tokens, documents of exponential length, mean 1000; odd shards
@@ -54,7 +54,7 @@ def our_stream(hp, files, last, wanted):
 
 
 def run_ref(args, pattern, steps, world, rank, out):
-    cmd = ["flock", "/tmp/ref89.lock", args.python, args.ref89, "batches", pattern, out, "--steps",
+    cmd = ["flock", "/tmp/ref89.lock", args.torch_python, args.ref89, "batches", pattern, out, "--steps",
            ",".join(map(str, steps)), "--world-size", str(world), "--rank", str(rank)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -89,7 +89,7 @@ def compare(ref, key, docs, chunks, r):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shard-dir", required=True)
-    p.add_argument("--python", default=os.path.expanduser("~/.cache/seed-torch-venv/bin/python"))
+    p.add_argument("--torch-python", default=os.path.expanduser("~/.cache/seed-torch-venv/bin/python"))
     p.add_argument("--ref89", default="/work/shared/ref89/ref89.py")
     p.add_argument("--steps", default="0,1,423,847,1270")
     p.add_argument("--ranks", default="0,7")

@@ -23,7 +23,7 @@ Not collected by pytest. Every ref89 run and our real-size run holds the flock o
 ref89 runs single-threaded (reproducible on a busy machine; checked: the step's loss equals grads').
 
   REF89_GIT=/work/.mirror/KellerJordan+modded-nanogpt/repo .venv/bin/python tests/ref89_compare_update.py \
-      --python ~/.cache/seed-torch-venv/bin/python --ref89 /work/shared/ref89/ref89.py \
+      --torch-python ~/.cache/seed-torch-venv/bin/python --ref89 /work/shared/ref89/ref89.py \
       --weights /tmp/x/W1.npz --tokens /tmp/x/T.npy --steps 1,423,847,1271 --workdir /tmp/x
 """
 import argparse
@@ -52,7 +52,7 @@ def ref89(a, *cmd):
     machine is busy (measured: a `grads` run beside two busy processes differed from an idle one in 60%
     of the qk_bank gradient, loss 31516.197 vs 31516.371); with 1 thread they were identical."""
     t = time.time()
-    subprocess.run(["flock", LOCK, a.python, a.ref89, "--threads", "1", *cmd], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["flock", LOCK, a.torch_python, a.ref89, "--threads", "1", *cmd], check=True, stdout=subprocess.DEVNULL)
     print(f"  ref89 {cmd[0]} --step {cmd[cmd.index('--step') + 1]}: {time.time() - t:.0f} s", flush=True)
 
 
@@ -120,7 +120,7 @@ def compare_adam(name, w, ours, ref):
     """fp32: within 1e-5 relative. bf16: at most one bf16 step apart, except where w - update cancels
     (the fp32 result is only good to an ulp of w): there within 4 fp32 ulps of |w| + |update|.
     Row blocks of ~8M elements keep the float64 temporaries small (the embeddings have 290M)."""
-    if tg.PARAM_TABLE[name]["dtype"] == jnp.float32:
+    if tg.param_shapes(tg.PRESETS["record"])[name][1] == jnp.float32:
         rel = float(np.max(np.abs(ours - ref) / np.maximum(np.abs(ref), 1e-30)))
         upd = cosine(ours.astype(np.float64) - w, ref.astype(np.float64) - w)
         return rel <= 1e-5, f"fp32: max rel diff {rel:.1e}; update cos {upd:.6f}"
@@ -150,9 +150,9 @@ def compare_adam(name, w, ours, ref):
 def compare(a, step, G_path, S_path):
     hp = tg.PRESETS["record"]
     W, G, S = np.load(a.weights), np.load(G_path), np.load(S_path)
-    params = {n: jnp.asarray(W[n], tg.PARAM_TABLE[n]["dtype"]) if n in tg.PARAM_TABLE else W[n]
+    params = {n: jnp.asarray(W[n], tg.param_shapes(hp)[n][1]) if n in tg.PARAM_TABLE else W[n]
               for n in W.files if not n.startswith("__")}
-    grads = {n: jnp.asarray(G[n], tg.PARAM_TABLE[n]["dtype"]) for n in tg.PARAM_TABLE}
+    grads = {n: jnp.asarray(G[n], tg.param_shapes(hp)[n][1]) for n in tg.PARAM_TABLE}
     t = time.time()
     out = tg.apply_update(params, grads, hp, step)
     jax.block_until_ready(out)
@@ -187,7 +187,7 @@ def compare(a, step, G_path, S_path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", required=True, help="the torch venv's python")
+    ap.add_argument("--torch-python", required=True, help="the torch venv's python")
     ap.add_argument("--ref89", required=True, help="path of ref89.py")
     ap.add_argument("--weights", required=True, help="W.npz (moved off init: e.g. ref89 `step` of the init at step 1)")
     ap.add_argument("--tokens", required=True, help="T.npy (ref89 `tokens`)")

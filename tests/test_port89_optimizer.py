@@ -72,7 +72,8 @@ def test_param_table_is_the_references():
                                                                                            1.2, 0.9)
     for name, (optim, dtype, shape, betas, lr_mul_eff, wd_mul) in REF89_PARAMS.items():
         row = tg.PARAM_TABLE[name]
-        assert (row["optim"], jnp.dtype(row["dtype"]).name, row["wd_mul"]) == (optim, dtype, wd_mul), name
+        model_dtype = jnp.dtype(tg.param_shapes(HP)[name][1]).name
+        assert (row["optim"], model_dtype, row["wd_mul"]) == (optim, dtype, wd_mul), name
         if optim == "adam":
             assert (row["betas"], row["lr_mul"]) == (betas, lr_mul_eff), name
         else:
@@ -180,7 +181,7 @@ def np_adam(p, g, m, v, t, betas, lr, wd, eps=1e-10):
 def test_adam_against_float64(dtype):
     rng = np.random.default_rng()
     hp = dataclasses.replace(HP, adam_lr=0.3)  # big enough for the cautious decay to show in bf16 and fp32
-    row = dict(tg.PARAM_TABLE["lm_head.weight"], dtype=dtype)
+    row = tg.PARAM_TABLE["lm_head.weight"]
     shape, t, lr_sched = (16, 24), 3, np.float32(0.7)
     p = rng.standard_normal(shape)
     p = bf16(p) if dtype == "bfloat16" else p.astype(np.float32).astype(np.float64)
@@ -208,10 +209,11 @@ def test_adam_against_float64(dtype):
 SMALL = {"qk_bank": (4, 8, 24), "vo_bank": (3, 24, 24), "mlp_bank": (3, 2, 48, 24), "scalars": (6,),
          "smear_gate.weight": (1, 12), "lm_head.weight": (24, 40), "embed.weight": (40, 24)}
 step_fn = jax.jit(tg.optimizer_step, static_argnums=3)
+DTYPES = {n: dtype for n, (_, dtype) in tg.param_shapes(HP).items()}
 
 
 def small_params(rng):
-    p = {n: jnp.asarray(rng.standard_normal(s) * 0.1, tg.PARAM_TABLE[n]["dtype"]) for n, s in SMALL.items()}
+    p = {n: jnp.asarray(rng.standard_normal(s) * 0.1, DTYPES[n]) for n, s in SMALL.items()}
     p["embed.weight"] = p["lm_head.weight"].T
     p["qk_bank"] = p["qk_bank"].at[3].set(0)  # padding: zero weights, zero gradients
     p["mlp_bank"] = p["mlp_bank"].at[2, 1].set(0)
@@ -220,7 +222,7 @@ def small_params(rng):
 
 
 def small_grads(rng):
-    g = {n: jnp.asarray(rng.standard_normal(s), tg.PARAM_TABLE[n]["dtype"]) for n, s in SMALL.items()}
+    g = {n: jnp.asarray(rng.standard_normal(s), DTYPES[n]) for n, s in SMALL.items()}
     return g | {"qk_bank": g["qk_bank"].at[3].set(0), "mlp_bank": g["mlp_bank"].at[2].set(0)}
 
 

@@ -7,7 +7,7 @@ Trains the record-89 GPT (11 layers, paired-head and long-window attention with 
 embeddings, MUDD dense connections and gates, DC, XSA, ReLU² MLP with FP8, FP8 softcapped head with
 multi-token and prefix-token losses) with NorMuon + Adam on FineWeb, on any number of devices with the
 8-GPU run's math. Read top to bottom: 1 hyperparameters and schedule, 2 model, 3 optimizer, 4 data,
-5 training step, 6 record log and training loop, 7 several processes, 8 command line.
+5 training step, 6 record log, 7 training loop, 8 several processes, 9 command line.
 Importing this file has no side effects; `python train_gpt.py --help` lists every option.
 """
 
@@ -249,8 +249,6 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 PAIRED_LAYERS = (0, 2, 5, 9)
 LONG_WINDOW_LAYERS = (3, 10)
-XSA_LAYERS = (1, 3, 4, 7)
-GATED_LAYERS = (3, 10)
 DC_LAYER = 10
 VE_LAYERS = (1, 2, 8, 9, 10)  # value-embedding table k serves VE_LAYERS[k]
 SKIP_FROM, SKIP_TO = 3, 6
@@ -314,7 +312,7 @@ def buffer_shapes(hp: Hyperparameters) -> dict:
     }
 
 
-def mudd_bias_init(hp: Hyperparameters):
+def mudd_bias_init():
     """The MUDD biases in the pre-scaled domain (effective value = bias·0.1), as the reference sets them."""
     b = np.zeros((2, MUDD_LAYER10), np.float32)
     b[0, 6:8] = 2.0 / MUDD_SCALE  # layer 10's value-embedding gates start at 2 (the others' 2·sigmoid max)
@@ -332,17 +330,13 @@ def mudd_bias_init(hp: Hyperparameters):
     return b, g
 
 
-@partial(jax.jit, static_argnums=0)
-def _init_params(hp: Hyperparameters, key):
-    return _draw_params(hp, key)
-
-
 def init_params(hp: Hyperparameters, seed: int) -> dict:
     """What the reference draws at init (its distributions, scales and zero pattern) from a JAX seed,
     plus the state buffers: a flat dict by the reference's names."""
-    return _init_params(hp, jax.random.PRNGKey(seed))
+    return _draw_params(hp, jax.random.PRNGKey(seed))
 
 
+@partial(jax.jit, static_argnums=0)
 def _draw_params(hp: Hyperparameters, key) -> dict:
     D, V = hp.model_dim, hp.padded_vocab
     shapes = param_shapes(hp)
@@ -358,7 +352,7 @@ def _draw_params(hp: Hyperparameters, key) -> dict:
     vo = jnp.zeros(shapes["vo_bank"][0], F32).at[:n_vo].set(uniform((n_vo, D, D), bound))
     mlp = jnp.zeros(shapes["mlp_bank"][0], F32).at[:, 0].set(uniform((NUM_LAYERS + 1, 4 * D, D), bound))
     lm_head = (0.005 * jax.random.normal(next(keys), (D, V), F32)).astype(BF16)
-    mudd_b2, gate_b2 = mudd_bias_init(hp)
+    mudd_b2, gate_b2 = mudd_bias_init()
     sa = np.tile(np.array([0.5, 1.0], np.float32), NUM_LAYERS)
     scalars = np.ones(shapes["scalars"][0], np.float32)
     scalars[:2 * NUM_LAYERS + 2] = np.concatenate([sa, [0.0, -1.5]])  # smear lambda 0, skip lambda -1.5
@@ -643,8 +637,7 @@ def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD):
 @jax.custom_vjp
 def mlp_bf16(x_TxD, w1_FxD, w2_FxD):
     """relu(x W1ᵀ)² W2 in bf16 (validation, and training without FP8)."""
-    post = _relu2(jnp.matmul(x_TxD, w1_FxD.T, preferred_element_type=F32))
-    return jnp.matmul(post, w2_FxD, preferred_element_type=F32).astype(BF16)
+    return _mlp_bf16_fwd(x_TxD, w1_FxD, w2_FxD)[0]
 
 
 def _mlp_bf16_fwd(x_TxD, w1_FxD, w2_FxD):
@@ -659,22 +652,27 @@ def fp8_dot(a, b, contract):
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=F32)
 
 
+def measured_scale(w, axes=None):
+    """amax(|w|) / 448 over `axes` in bf16 math, as the reference's quantize_mlp_fp8 measures weights."""
+    return f32(jnp.maximum(jnp.max(jnp.abs(w), axis=axes), 1e-12).astype(BF16) / jnp.asarray(E4M3_MAX, BF16))
+
+
 def quantize_up(w1_FxD):
     """The up projection's per-layer e4m3 copy and scale (the reference's quantize_mlp_fp8, in bf16 math)."""
-    scale = (jnp.maximum(jnp.max(jnp.abs(w1_FxD)), 1e-12).astype(BF16) / jnp.asarray(E4M3_MAX, BF16))
-    w_f8 = (f32(w1_FxD) / f32(scale)).astype(BF16).astype(E4M3)
-    return w_f8, f32(scale)
+    scale = measured_scale(w1_FxD)
+    return (f32(w1_FxD) / scale).astype(BF16).astype(E4M3), scale
 
 
-def down_weight_scale(w2_FxD, bootstrap, next_scale):
-    """The scale the down projection's weights are quantized with this step: measured now during the
-    bootstrap (bf16 math), else the one computed from the previous step's weights."""
-    measured = f32(jnp.maximum(jnp.max(jnp.abs(w2_FxD)), 1e-12).astype(BF16) / jnp.asarray(E4M3_MAX, BF16))
-    return jnp.where(bootstrap | jnp.isnan(next_scale), measured, next_scale)  # NaN: none saved (load_weights)
+def down_weight_scales(mlp_bank, bootstrap, next_L):
+    """The scales the down projections' weights are quantized with this step, per layer: measured now
+    during the bootstrap, else those computed from the previous step's weights (NaN: none saved)."""
+    return jnp.where(bootstrap | jnp.isnan(next_L), measured_scale(mlp_bank[:, 1], axes=(1, 2)), next_L)
 
 
-def next_down_weight_scale(w2_FxD):
-    return jnp.maximum(f32(jnp.max(jnp.abs(w2_FxD))), 1e-12) * np.float32(MLP_WEIGHT_HEADROOM / E4M3_MAX)
+def next_down_weight_scales(mlp_bank):
+    """The next step's down-projection weight scales: this step's amax x 1.12 / 448, per layer."""
+    amax_L = jnp.maximum(f32(jnp.max(jnp.abs(mlp_bank[:, 1]), axis=(1, 2))), 1e-12)
+    return amax_L * np.float32(MLP_WEIGHT_HEADROOM / E4M3_MAX)
 
 
 @jax.custom_vjp
@@ -851,7 +849,7 @@ def _loss_targets(targets_T, mtp_w, prefix_T, prefix_w, V):
 
 def _chunks(n, *arrays):
     c = math.gcd(n, LOSS_CHUNK)
-    return c, [x.reshape(n // c, c, *x.shape[1:]) for x in arrays]
+    return [x.reshape(n // c, c, *x.shape[1:]) for x in arrays]
 
 
 def _fp8_logits(x_f8, w_f8):
@@ -883,7 +881,7 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
         g = coef * grad_z * sig * (1 - sig)
         return losses, jnp.clip(g, -E5M2_MAX, E5M2_MAX).astype(E5M2)
 
-    c, parts = _chunks(T, x_f8, cols_TxP, ws_TxP, total_T)
+    parts = _chunks(T, x_f8, cols_TxP, ws_TxP, total_T)
     losses, g = jax.lax.map(chunk, tuple(parts))
     return losses.reshape(T), g.reshape(T, V), x_f8, w_f8
 
@@ -921,7 +919,7 @@ def eval_head_loss(x_TxD, w_DxV, targets_T):
         z = SOFTCAP_A * jax.nn.sigmoid((f32(linear(x, w_DxV.T)) + SOFTCAP_B) / SOFTCAP_C)
         return jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, t[:, None], axis=1)[:, 0]
 
-    c, parts = _chunks(T, x_TxD, targets_T)
+    parts = _chunks(T, x_TxD, targets_T)
     return jax.lax.map(chunk, tuple(parts)).reshape(T)
 
 
@@ -956,9 +954,7 @@ def schedule_values(step: int, hp: Hyperparameters, final_val: bool = False) -> 
 def fp8_mlp_scales(params: dict, step: int, hp: Hyperparameters, slot: int = 0):
     """(weight scales, activation scales) of the FP8 down projections at a step, from the state
     buffers in params (the bootstrap re-measures the weight scales)."""
-    bootstrap = step <= hp.fp8_bootstrap_steps
-    w = jnp.stack([down_weight_scale(params["mlp_bank"][i, 1], bootstrap, params["_mlp_down_proj_next_scales"][i])
-                   for i in range(NUM_LAYERS + 1)])
+    w = down_weight_scales(params["mlp_bank"], step <= hp.fp8_bootstrap_steps, params["_mlp_down_proj_next_scales"])
     act = params["_mlp_down_act_scales"]
     return w, act[slot] if act.ndim == 2 else act
 
@@ -984,9 +980,15 @@ def loss_fn(params: dict, tokens, hp: Hyperparameters, step: int, training: bool
     in params), MTP and prefix terms; or validation (training=False)."""
     inputs, targets, T = padded_sequence(tokens)
     a = schedule_values(step, hp, final_val)
-    scales = fp8_mlp_scales(params, step, hp) if training else None
-    prefix = prefix_targets(jnp.asarray(prefix_table(hp.padded_vocab)), targets) if training else None
-    return _jit_sequence_loss(params, inputs, targets, a, training, scales, prefix)[1][:T]
+    if not training:
+        return _jit_sequence_loss(params, inputs, targets, a, False)[1][:T]
+    return _jit_sequence_loss(params, inputs, targets, a, True, *training_inputs(params, targets, step, hp))[1][:T]
+
+
+def training_inputs(params: dict, targets_T, step: int, hp: Hyperparameters) -> tuple:
+    """What a training forward of the check API takes besides the schedule: the FP8 down projections'
+    scales at the step, and the targets' prefix tokens."""
+    return fp8_mlp_scales(params, step, hp), prefix_targets(jnp.asarray(prefix_table(hp.padded_vocab)), targets_T)
 
 
 def prefix_targets(table_V, targets_T):
@@ -1052,12 +1054,9 @@ def train_grads(params: dict, tokens, hp: Hyperparameters, step: int) -> tuple:
     """(gradients of sum(per-token losses) x grad scale by parameter name, that loss) for one flat token
     array at schedule step `step` in training mode, as ref89's `grads` computes them."""
     inputs, targets, _ = padded_sequence(tokens)
-    a = schedule_values(step, hp)
-    scales = fp8_mlp_scales(params, step, hp)
-    prefix = prefix_targets(jnp.asarray(prefix_table(hp.padded_vocab)), targets)
     names = list(param_shapes(hp))
     return _jit_grads({k: params[k] for k in names}, {k: v for k, v in params.items() if k not in names},
-                      inputs, targets, a, scales, prefix)
+                      inputs, targets, schedule_values(step, hp), *training_inputs(params, targets, step, hp))
 
 
 @jax.jit
@@ -1336,26 +1335,26 @@ ATTENTION = {"xla": window_attention, "pallas": pallas_window_attention}  # --at
 # NorMuon's hp.muon_lr x lr_mul x sqrt(max(1, rows/cols)) of its matrices x matrix_lr_muls (cycled
 # over the bank's matrices); both x the schedule's lr multiplier. wd_mul scales hp.adam_wd / hp.muon_wd.
 PARAM_TABLE = {
-    "qk_bank":             dict(optim="normuon", dtype=BF16, lr_mul=1.0, wd_mul=1.0),
-    "vo_bank":             dict(optim="normuon", dtype=BF16, lr_mul=1.0, wd_mul=1.0),
-    "mlp_bank":            dict(optim="normuon", dtype=BF16, lr_mul=1.0, wd_mul=1.0,
+    "qk_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0),
+    "vo_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0),
+    "mlp_bank":            dict(optim="normuon", lr_mul=1.0, wd_mul=1.0,
                                 matrix_lr_muls=(1.0, 2.0)),  # viewed as 24 matrices: c_fc, c_proj, c_fc, ...
-    "scalars":             dict(optim="adam", dtype=F32,  betas=(0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
-    "smear_gate.weight":   dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
-    "ve_gate_bank":        dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=1.0, wd_mul=1.0),
-    "lm_head.weight":      dict(optim="adam", dtype=BF16, betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
-    "bigram_embed.weight": dict(optim="adam", dtype=BF16, betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
-    "post_lambdas":        dict(optim="adam", dtype=F32,  betas=(0.9, 0.95), lr_mul=1.0, wd_mul=0.0),
-    "resid_lambdas":       dict(optim="adam", dtype=F32,  betas=(0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
-    "value_embeds":        dict(optim="adam", dtype=BF16, betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
-    "embed.weight":        dict(optim="adam", dtype=BF16, betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
-    "mudd_w1":             dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
-    "mudd_w2":             dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
-    "mudd_b2":             dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=0.25, wd_mul=0.0),
-    "mudd_gate_w1":        dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=0.1, wd_mul=1.0),
-    "mudd_gate_w2":        dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=0.1, wd_mul=1.0),
-    "mudd_gate_b2":        dict(optim="adam", dtype=BF16, betas=(0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
-    "_mudd_gate_scale":    dict(optim="adam", dtype=F32,  betas=(0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+    "scalars":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
+    "smear_gate.weight":   dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
+    "ve_gate_bank":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=1.0, wd_mul=1.0),
+    "lm_head.weight":      dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
+    "bigram_embed.weight": dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
+    "post_lambdas":        dict(optim="adam", betas=(0.9, 0.95), lr_mul=1.0, wd_mul=0.0),
+    "resid_lambdas":       dict(optim="adam", betas=(0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
+    "value_embeds":        dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
+    "embed.weight":        dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
+    "mudd_w1":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
+    "mudd_w2":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
+    "mudd_b2":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=0.0),
+    "mudd_gate_w1":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=1.0),
+    "mudd_gate_w2":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=1.0),
+    "mudd_gate_b2":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+    "_mudd_gate_scale":    dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
 }
 LM_HEAD, EMBED = "lm_head.weight", "embed.weight"
 
@@ -1555,9 +1554,9 @@ def apply_update(params: dict, grads: dict, hp, step: int) -> dict:
     ref89's `step`): params and grads keyed by the reference's names (any float dtype; grads holds
     embed.weight and lm_head.weight separately, tied up to the split step, untied after it). Entries
     of params that are not parameters (FP8 scales, the bigram sign table) pass through unchanged."""
-    names = [n for n in params if n in PARAM_TABLE]
-    p = {n: jnp.asarray(params[n], PARAM_TABLE[n]["dtype"]) for n in names}
-    g = {n: jnp.asarray(grads[n], PARAM_TABLE[n]["dtype"]) for n in names}
+    dtypes = {n: dtype for n, (_, dtype) in param_shapes(hp).items() if n in params}
+    p = {n: jnp.asarray(params[n], dtype) for n, dtype in dtypes.items()}
+    g = {n: jnp.asarray(grads[n], dtype) for n, dtype in dtypes.items()}
     return dict(params) | _first_step_params(p, g, hp, step_values_at(step, hp))
 
 
@@ -1861,12 +1860,11 @@ def make_train_step(hp: Hyperparameters, mesh):
                  out_specs=(P(), P(), P("dp")), check_vma=False)
 
     def train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V):
-        w_scales = jnp.stack([down_weight_scale(params["mlp_bank"][i, 1], bootstrap, fp8["next_w"][i])
-                              for i in range(NUM_LAYERS + 1)])
+        w_scales = down_weight_scales(params["mlp_bank"], bootstrap, fp8["next_w"])
         g, loss, act = jax.shard_map(partial(device_step, attention=hp.attention), **specs)(
             params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales, prefix_V)
         grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
-        next_w = jnp.stack([next_down_weight_scale(params["mlp_bank"][i, 1]) for i in range(NUM_LAYERS + 1)])
+        next_w = next_down_weight_scales(params["mlp_bank"])
         params, opt_state = optimizer_step(params, grads, opt_state, hp, sv)
         return params, opt_state, {"next_w": next_w, "act": act}, loss / inputs_8xT.size
 
@@ -1901,14 +1899,17 @@ def train_steps(weights: dict, token_arrays: list, hp: Hyperparameters, step: in
         params, opt_state, fp8, loss = train_step(params, buffers, opt_state, fp8, inputs, targets, a, sv, bootstrap,
                                                   prefix_V)
         losses.append(float(loss) * inputs.shape[1])  # the mean over the T positions: the array's sum
-    # the reference's buffers after its quantize_mlp_fp8: the scales the next forward uses, and the next ones
-    next_bootstrap = s + 1 <= hp.fp8_bootstrap_steps
-    used = jnp.stack([down_weight_scale(params["mlp_bank"][i, 1], next_bootstrap, fp8["next_w"][i])
-                      for i in range(NUM_LAYERS + 1)])
-    next_w = jnp.stack([next_down_weight_scale(params["mlp_bank"][i, 1]) for i in range(NUM_LAYERS + 1)])
-    return {**params, "bigram_sign_table": weights["bigram_sign_table"], "_mlp_down_act_scales": fp8["act"][0],
-            "_mlp_down_proj_scales": used, "_mlp_down_proj_next_scales": next_w,
+    return {**params, **buffers, **reference_fp8_buffers(params, fp8, fp8["act"][0], s + 1, hp),
             "__losses__": np.array(losses)}
+
+
+def reference_fp8_buffers(params, fp8, act_12, next_step: int, hp: Hyperparameters) -> dict:
+    """The FP8 state as the reference's buffers hold it after its quantize_mlp_fp8 (ref89's npz): the
+    weight scales the next forward uses, the ones after them (from the current weights), and the
+    activation scales of one rank."""
+    used = down_weight_scales(params["mlp_bank"], next_step <= hp.fp8_bootstrap_steps, fp8["next_w"])
+    return {"_mlp_down_act_scales": act_12, "_mlp_down_proj_scales": used,
+            "_mlp_down_proj_next_scales": next_down_weight_scales(params["mlp_bank"])}
 
 
 def make_val_step(hp: Hyperparameters, mesh):
@@ -2060,7 +2061,7 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
     """Raises ConfigError/DataError, naming the flag and the fix, before any work is done."""
     rows = local_rows(mesh)
     train_files = shard_files(hp.train_files, "--train-files")
-    for step, _ in zip(range(hp.total_steps), train_docs(hp, train_files)):  # DataError where they run out
+    for _ in zip(range(hp.total_steps), train_docs(hp, train_files)):  # DataError where they run out
         pass
     val_files = shard_files(hp.val_files, "--val-files")
     val_batches = [(c.inputs[rows], c.targets[rows]) for c in val_chunks(hp, val_files)]
@@ -2246,7 +2247,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         }
         say(summary_line(summary))
         if save_path and main_process:
-            save_weights(final_weights(state), save_path)
+            save_weights(final_weights(state, hp), save_path)
             say(f"weights saved: {os.path.abspath(save_path)}")
         say("run complete")
     except Interrupted as e:
@@ -2275,12 +2276,11 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
     return summary
 
 
-def final_weights(state) -> dict:
+def final_weights(state, hp: Hyperparameters) -> dict:
     """Parameters and state buffers by the reference's names (rank 0's activation scales), for save_weights."""
     params, buffers, _, fp8 = state
     act = np.asarray(fp8["act"].addressable_data(0))[0]  # row 0 lives on process 0's first device
-    return {**params, **buffers, "_mlp_down_act_scales": act, "_mlp_down_proj_next_scales": fp8["next_w"],
-            "_mlp_down_proj_scales": fp8["next_w"]}
+    return {**params, **buffers, **reference_fp8_buffers(params, fp8, act, hp.total_steps, hp)}
 
 
 # -----------------------------------------------------------------------------
