@@ -297,3 +297,22 @@ def test_the_whole_model_at_init_predicts_uniformly_and_gets_the_references_zero
     assert not np.asarray(grads["mlp_bank"][:, 0]).any()
     assert np.asarray(grads["mlp_bank"][:11, 1]).any() and np.asarray(grads["qk_bank"][:60]).any()
     assert not np.asarray(grads["qk_bank"][60:]).any() and not np.asarray(grads["mlp_bank"][11]).any()
+
+
+def test_fp8_buffers_are_written_as_the_references_quantize_leaves_them():
+    """After a step the reference's quantize_mlp_fp8 leaves: the scales the next forward uses (measured in
+    bf16 during the bootstrap, else the previous weights' amax x 1.12/448) and the next ones, from the
+    current weights (what ref89's npz and --save-weights hold)."""
+    rng = np.random.default_rng(8)
+    bank = jnp.asarray(rng.uniform(-0.05, 0.05, (12, 2, 16, 8)), BF16).at[11].set(0)  # a zero padding layer
+    previous = rng.uniform(1e-4, 2e-4, 12).astype(np.float32)
+    fp8 = {"next_w": jnp.asarray(previous)}
+    act = jnp.full(12, 0.5, F32)
+    amax = np.abs(np.asarray(bank[:, 1], np.float64)).max(axis=(1, 2))
+    for next_step, bootstrap in [(SMALL.fp8_bootstrap_steps, True), (SMALL.fp8_bootstrap_steps + 1, False)]:
+        out = {k: np.asarray(v, np.float64) for k, v in
+               m.reference_fp8_buffers({"mlp_bank": bank}, fp8, act, next_step, SMALL).items()}
+        np.testing.assert_allclose(out["_mlp_down_proj_next_scales"], np.maximum(amax, 1e-12) * 1.12 / 448, rtol=1e-6)
+        measured = bf16(bf16(np.maximum(amax, 1e-12)) / 448)
+        np.testing.assert_array_equal(out["_mlp_down_proj_scales"], measured if bootstrap else previous)
+        assert np.array_equal(out["_mlp_down_act_scales"], np.asarray(act))
