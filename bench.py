@@ -1,49 +1,44 @@
 """Where the time goes: benchmarks of train_gpt.py's pieces on the current JAX backend.
 
   python bench.py --suite [--profile DIR] [--out PATH]  # the whole picture: one table, then one JSON line
-  python bench.py                                       # model forward+backward of one sequence
-  python bench.py --attention pallas                    # the same with another attention implementation
-  python bench.py --attention-layer                     # each attention implementation alone at windows
-                                                        # 1, 7, 14 blocks, then the model with each
+  python bench.py                                       # model forward+backward of one chunk, last stage
+  python bench.py --attention pallas                    # the same with the fused attention kernels
 
-Shapes: the record preset on a GPU; elsewhere `tiny` (6 layers, d=128, vocabulary 8,192, 1,024-token
-sequences, 2 per step): the suite takes ~1.5 minutes of CPU time, most of it compiling. `--preset
-smoke` is the smallest shape that still runs every section (vocabulary 1,024, two 256-token
-sequences, windows of 1 and 2 blocks): a check that the suite works, its numbers mean nothing.
---preset and --seq-len override.
+Shapes: the record preset on a GPU; elsewhere `tiny` (the cpu preset's model, head size 16, with a
+8,192-token vocabulary and chunks of 512 tokens in every stage). `--preset smoke` is the smallest shape
+that runs every section (vocabulary 1,024, chunks of 128 tokens): a check that the suite works, its
+numbers mean nothing.
 
 The suite measures
-  compile     seconds to trace, lower and compile the train and validation steps, cold (a fresh
-              persistent cache) and warm (the same cache again after jax.clear_caches());
-  train step  the step train() runs (each device scans its share of the step's sequences) at window 1
-              and at the full window: synced every step as train() does, and pipelined (the
-              difference is the host loop's cost); the preset's whole run estimated from the two;
-  model       forward+backward of one sequence at windows 1 and full, FP8 and bf16 head;
-  parts       forward+backward of each part alone at the same shape: embeddings + value embeddings,
-              the attention kernel of each implementation (windows 1, 7, 14), one attention layer
-              (projections, norms, rotary, kernel) of each, one MLP, head + loss (FP8, bf16); the
-              optimizer update (all groups; Muon alone); the validation step; and a breakdown of the
-              train step into them (an estimate: parts compiled alone fuse differently);
-  memory      peak device memory after the train step (device memory_stats; n/a on CPU) and XLA's
-              buffer-assignment peak of the compiled train step (memory_analysis);
-  profile     with --profile DIR: a jax.profiler trace of a few train steps at the full window and
-              the top 15 device ops by self time (on CPU the XLA:CPU thunks).
+  compile     seconds to compile the train programs (one per stage shape: chunk length and number
+              of MTP weights) and the validation step, cold (an empty persistent cache) and warm (the
+              same cache again after jax.clear_caches());
+  train step  each stage's program as train() runs it, with that stage's windows and schedule values:
+              synced every step as train() does, and pipelined (the difference is the host loop's
+              cost); the preset's whole run estimated from them (steps per stage x its step time);
+  model       forward+backward of one chunk (one 8-GPU rank's micro-batch) at each stage's shape;
+  parts       forward+backward of each attention implementation alone at each stage's short and
+              long window (the paired layers' doubled sequence apart), one FP8 MLP, the FP8 head and
+              its loss; the optimizer step (NorMuon + Adam, all parameters); the validation step;
+  memory      peak device memory after the train steps (device memory_stats; n/a on CPU) and XLA's
+              buffer-assignment peak of the last stage's compiled program;
+  profile     with --profile DIR: a jax.profiler trace of a few train steps of the last stage and the
+              top 15 device ops by self time (on CPU the XLA:CPU thunks).
 
-FLOPs. "GFLOP" is useful work counted analytically: 2 per multiply-add of every matmul, x3 for
-forward+backward; attention counts the (query, key) pairs its rule allows for the actual documents
-and window (4·D FLOPs per pair forward, 8·D backward), never masked work. MFU = those TFLOP/s over
---peak-tflops (default 989: H100 SXM dense bf16) times the devices used. "MFU nom." uses the count
-bench.py has always used (6 per matmul weight per token + 12·D·(W - 1/2)·128 per attention layer,
-documents ignored); compare that one with PyTorch numbers. "XLA GFLOP" is XLA's cost analysis,
-which counts a loop body once and a custom call (a Pallas kernel) as 0: rows whose program has a
-while loop are marked `loop`, and their XLA number is not the work done.
+FLOPs. "GFLOP" is useful work counted analytically: 2 per multiply-add of every matmul (attention
+Q, K, V, O on 10 layers, the MLPs on 11, the head, the MUDD networks), x3 for forward+backward;
+attention counts the (query, key) pairs its rule allows for the actual documents and window (same
+document, at most W tokens back; the paired layers on their doubled sequence), 4·K FLOPs per pair
+and head forward, 8·K backward, never masked work. FP8 GEMMs count as any other. MFU = those
+TFLOP/s over --peak-tflops (default 989: H100 SXM dense bf16) times the devices used. "XLA GFLOP"
+is XLA's cost analysis, which counts a loop body once and a custom call (a Pallas kernel) as 0:
+rows whose program has a while loop are marked `loop`, and their XLA number is not the work done.
 """
 import argparse
 import dataclasses
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import shutil
@@ -56,21 +51,26 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import train_gpt as tg
 
-# CPU-sized: the head dominates a small model's time on CPU, so a 8,192-token vocabulary (no <|endoftext|>:
-# each sequence is one document)
-TINY = dataclasses.replace(tg.PRESETS["record"], num_layers=6, model_dim=128, num_heads=1, vocab_size=8192,
-                           seq_len=1024, batch_size=2048, val_tokens=2048)
-SMOKE = dataclasses.replace(TINY, vocab_size=1024, seq_len=256, batch_size=512, val_tokens=512, window_tokens=256)
-PRESETS = {**tg.PRESETS, "tiny": TINY, "smoke": SMOKE}
-KERNEL_WINDOWS = (1, 7, 14)
+
+def small(vocab: int, chunk: int, seq: int, one_program: bool = False):
+    """The cpu preset's model (head size 16) with a vocabulary of `vocab` (its last id the BOS) and
+    chunks of `chunk` tokens in every stage, documents cut at `seq`; validation on one batch.
+    one_program: one MTP weight in every stage, so that every stage runs the same train program."""
+    cpu = tg.PRESETS["cpu"]
+    mtp = dict(mtp_start=(1.0,), mtp_end=(1.0,)) if one_program else {}
+    stages = tuple(dataclasses.replace(s, batch_size=8 * chunk, max_seq_len=seq, **mtp) for s in cpu.stages)
+    return dataclasses.replace(cpu, vocab_size=vocab, bos_id=vocab - 1, bigram_vocab_size=1024, stages=stages,
+                               val_batch_size=8 * chunk, val_tokens=8 * chunk)
+
+
+PRESETS = {**tg.PRESETS, "tiny": small(8192, 512, 512), "smoke": small(1024, 128, 128, one_program=True)}
 PROFILE_STEPS = 3
 TOP_OPS = 15
-EOT_RATE = 1 / 1000  # documents of ~1,000 tokens, like FineWeb's
+BOS_RATE = 1 / 1000  # documents of ~1,000 tokens, like FineWeb's
 
 
 # -----------------------------------------------------------------------------
@@ -78,64 +78,50 @@ EOT_RATE = 1 / 1000  # documents of ~1,000 tokens, like FineWeb's
 
 
 def matmul_weights(hp) -> int:
-    """Weights used in a matmul once per token: attention q, k, v, o; MLP; head. Embeddings are lookups."""
-    D, L = hp.model_dim, hp.num_layers
-    attention_layers = sum(tg.has_attention(i, L) for i in range(L))
-    return attention_layers * 4 * D * D + L * 8 * D * D + hp.padded_vocab * D
-
-
-def layer_windows(hp, window: int) -> list:
-    """The window (blocks) of each attention layer when the long window is `window`, as gpt_hidden sets them."""
-    L = hp.num_layers
-    return [max(window if tg.has_long_window(i, L) else window // 2, 1) for i in range(L) if tg.has_attention(i, L)]
-
-
-def nominal_flops(hp, T: int, window: int) -> float:
-    """bench.py's classic count for one sequence forward+backward: documents ignored, (W - 1/2)·128 keys per query."""
-    n_blocks = T // tg.BLOCK
-    attended = sum((min(w, n_blocks) - 0.5) * tg.BLOCK for w in layer_windows(hp, window))
-    return (6 * matmul_weights(hp) + 12 * hp.model_dim * attended) * T
-
-
-def _lowest_keys(docs_T, window: int):
-    """For each query, its lowest allowed key: the later of its document's start and its window's first block."""
-    T = len(docs_T)
-    q = np.arange(T)
-    new_doc = np.r_[True, docs_T[1:] != docs_T[:-1]]
-    doc_start = np.maximum.accumulate(np.where(new_doc, q, 0))
-    return np.maximum(doc_start, (q // tg.BLOCK - max(window, 1) + 1) * tg.BLOCK)
+    """Weights used in a matmul once per token: attention Q, K, V, O (10 layers), MLP (11), head, the
+    MUDD and MUDD-gate networks (each of their two blocks runs once). Embeddings are lookups."""
+    D, G = hp.model_dim, tg.MUDD_DIM
+    mudd = 4 * G * D + (tg.MUDD_LAYER10 + tg.MUDD_FINAL + tg.PRE_GATE + tg.POST_GATE) * G  # first layers, outputs
+    return len(tg.ATTN_LAYERS) * 4 * D * D + tg.NUM_LAYERS * 8 * D * D + hp.padded_vocab * D + mudd
 
 
 def attention_pairs(docs_T, window: int) -> int:
-    """(q, k) pairs allowed by k <= q, same document, floor(q/128) - floor(k/128) < max(window, 1)."""
-    return int(np.sum(np.arange(len(docs_T)) - _lowest_keys(np.asarray(docs_T), window) + 1))
+    """(query, key) pairs the rule allows: key at most `window` tokens back, same document."""
+    docs_T = np.asarray(docs_T)
+    q = np.arange(len(docs_T))
+    new_doc = np.r_[True, docs_T[1:] != docs_T[:-1]]
+    doc_start = np.maximum.accumulate(np.where(new_doc, q, 0))
+    return int(np.sum(np.minimum(q - doc_start, window) + 1))
 
 
-def attention_blocks(docs_T, window: int) -> int:
-    """128x128 (query block, key block) tiles holding at least one allowed pair: what a kernel must visit."""
-    n_blocks = len(docs_T) // tg.BLOCK
-    lowest = _lowest_keys(np.asarray(docs_T), window).reshape(n_blocks, tg.BLOCK).min(axis=1)
-    return int(np.sum(np.arange(n_blocks) - lowest // tg.BLOCK + 1))
-
-
-def model_flops(hp, docs_RxT, window: int, backward: bool = True) -> float:
-    """Useful FLOPs of the model on these sequences: matmuls plus the allowed attention pairs."""
-    per_pair = (12 if backward else 4) * hp.model_dim
-    pairs = sum(attention_pairs(docs, w) for docs in docs_RxT for w in layer_windows(hp, window))
-    return (6 if backward else 2) * matmul_weights(hp) * docs_RxT.size + per_pair * pairs
-
-
-def newton_schulz_flops(shapes, steps: int = 5) -> int:
-    """NS5 on each matrix (made wide, m <= n): per step X·Xᵀ (2m²n), A·A (2m³), B·X (2m²n)."""
+def layer_pairs(docs_T, short: int, long: int) -> int:
+    """Pairs x heads over the attention layers: paired layers attend over the doubled sequence with
+    half the heads, the long-window layers at `long`, the others at `short`."""
     total = 0
-    for *stack, a, b in shapes:
-        m, n = min(a, b), max(a, b)
-        total += math.prod(stack) * steps * (4 * m * m * n + 2 * m**3)
+    for layer in tg.ATTN_LAYERS:
+        window = long if layer in tg.LONG_WINDOW_LAYERS else short
+        if layer in tg.PAIRED_LAYERS:
+            total += tg.NUM_HEADS // 2 * attention_pairs(np.repeat(docs_T, 2), window)
+        else:
+            total += tg.NUM_HEADS * attention_pairs(docs_T, window)
     return total
 
 
-def is_muon(name: str, p) -> bool:
-    return name.startswith("blocks.") and p.ndim >= 2  # the matrices inside the blocks
+def model_flops(hp, docs_RxT, short: int, long: int, backward: bool = True) -> float:
+    """Useful FLOPs of the model on these chunks: matmuls plus the allowed attention pairs."""
+    K = hp.head_dim
+    pairs = sum(layer_pairs(docs, short, long) for docs in docs_RxT)
+    return (6 if backward else 2) * matmul_weights(hp) * np.size(docs_RxT) + (12 if backward else 4) * K * pairs
+
+
+def polar_express_flops(hp) -> int:
+    """The NorMuon banks' Polar Express: per iteration X·Xᵀ (2m²n), A·A (2m³) and B·X (2m²n) per matrix,
+    made wide (m <= n)."""
+    D, K = hp.model_dim, hp.head_dim
+    matrices = ([(2 * K, D)] * tg.num_qk_matrices() + [(D, D)] * 2 * len(tg.ATTN_LAYERS)
+                + [(4 * D, D)] * 2 * tg.NUM_LAYERS)
+    iterations = len(tg.POLAR_EXPRESS_COEFFS)
+    return sum(iterations * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3) for a, b in matrices)
 
 
 # -----------------------------------------------------------------------------
@@ -217,17 +203,18 @@ class Table:
 # Inputs
 
 
-def sample_tokens(rng, shape, hp):
-    """Random token ids with <|endoftext|> at rate 1/1000 (if the vocabulary has it); shape (..., T + 1)."""
-    tokens = rng.integers(0, hp.vocab_size, shape)
-    if tg.EOT < hp.vocab_size:
-        tokens[rng.random(shape) < EOT_RATE] = tg.EOT
-    return tokens.astype(np.int32)
+def sample_chunks(rng, hp, R: int, T: int):
+    """(inputs, targets) int32 (R, T): random token ids, each chunk opened by a BOS and with more BOS
+    at rate 1/1000, documents cut as the loader cuts them only in length (the model does not care)."""
+    tokens = rng.integers(0, hp.vocab_size, (R, T + 1))
+    tokens[rng.random(tokens.shape) < BOS_RATE] = hp.bos_id
+    tokens[:, 0] = hp.bos_id
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
 
 
-def documents(inputs):
-    """Document index of each token, as gpt_hidden computes it (an <|endoftext|> opens a document)."""
-    return np.cumsum(inputs == tg.EOT, axis=-1)
+def documents(inputs, bos: int):
+    """Document number of each token, as the model computes them (a BOS opens a document)."""
+    return np.cumsum(inputs == bos, axis=-1)
 
 
 def random_like(rng, tree):
@@ -245,154 +232,134 @@ def fwd_bwd(f, n_diff: int):
     return jax.jit(run)
 
 
+def stage_firsts(hp) -> list:
+    """The first step of each stage whose program differs (stage shape), in order."""
+    seen, out = set(), []
+    for first, _ in tg.stage_bounds(hp):
+        if tg.stage_shape(first, hp) not in seen:
+            seen.add(tg.stage_shape(first, hp))
+            out.append(first)
+    return out
+
+
 # -----------------------------------------------------------------------------
 # The suite's parts
 
 
 def time_part(table, name, f, args, n_diff, rng, repeats, *, windows=None, flops=None, tokens=None, note=""):
-    """Compile f's forward+backward once and time it (at each window, passed as the last argument of f)."""
+    """Compile f's forward+backward once and time it (at each window, passed as f's last argument)."""
     example = (*args, jnp.int32(windows[0])) if windows else args
     cotangent = random_like(rng, jax.eval_shape(f, *example))
     compiled, compile_s = compile_timed(fwd_bwd(f, n_diff), *example, cotangent)
     for i, window in enumerate(windows or [None]):
         call_args = (*args, jnp.int32(window), cotangent) if windows else (*args, cotangent)
         sec = seconds_per_call(compiled, call_args, repeats, warm_up=i == 0)
-        label = f"{name} w={window}" if windows else name
-        table.add(label, sec, tokens=tokens, flops=flops(window) if callable(flops) else flops, compiled=compiled,
-                  compile_s=compile_s, note=note(window) if callable(note) else note)
+        table.add(f"{name} W={window}" if windows else name, sec, tokens=tokens,
+                  flops=flops(window) if callable(flops) else flops, compiled=compiled, compile_s=compile_s,
+                  note=note(window) if callable(note) else note)
 
 
-def attention_kernel_rows(table, hp, impl, docs_T, rng, repeats, windows=KERNEL_WINDOWS):
-    T, H = len(docs_T), hp.num_heads
-    q, k, v = (jnp.asarray(rng.standard_normal((T, H, tg.HEAD_DIM)), jnp.bfloat16) for _ in range(3))
-    docs = jnp.asarray(docs_T, jnp.int32)
-
-    def note(w):
-        return (f"{attention_pairs(docs_T, w) / T:.0f} keys/query, {attention_blocks(docs_T, w)} non-empty tiles "
-                f"of {min(w, T // tg.BLOCK) * (T // tg.BLOCK)} in window")
-
-    time_part(table, f"attention kernel {impl}", lambda q, k, v, docs, w: tg.ATTENTION[impl](q, k, v, docs, w),
-              (q, k, v, docs), 3, rng, repeats, windows=windows, tokens=T,
-              flops=lambda w: 12 * hp.model_dim * attention_pairs(docs_T, w), note=note)
-
-
-def attention_layer_rows(table, hp, impl, params, docs_T, rng, repeats, windows):
-    """Layer 0 (long window, value embeddings): qkv projection, QK-norm, rotary, kernel, output projection."""
-    T, D = len(docs_T), hp.model_dim
-    names = ["blocks.0.attn.qkv_w", "blocks.0.attn.lambdas", "blocks.0.attn.c_proj.weight"]
-    x, ve = (jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16) for _ in range(2))
-    cos, sin = tg.rotary_cos_sin(T)
-
-    def layer(x, ve, qkv_w, lambdas, c_proj, docs, cos, sin, w):
-        p = dict(zip(names, (qkv_w, lambdas, c_proj)))
-        return tg.causal_self_attention(p, 0, x, ve, docs, w, cos, sin, tg.ATTENTION[impl])
-
-    time_part(table, f"attention layer {impl}", layer,
-              (x, ve, *(params[n] for n in names), jnp.asarray(docs_T, jnp.int32), cos, sin), 5, rng, repeats,
-              windows=windows, tokens=T, flops=lambda w: 6 * 4 * D * D * T + 12 * D * attention_pairs(docs_T, w))
+def attention_kernel_rows(table, hp, impl, docs_T, windows, rng, repeats):
+    """One attention implementation alone at each window of the stages (one compile, the window a
+    runtime value): 6 heads on the chunk, and the paired layers' 3 heads on the doubled sequence at
+    the short windows."""
+    T, H, K = len(docs_T), tg.NUM_HEADS, hp.head_dim
+    attend = tg.ATTENTION[impl]
+    scale = jnp.float32(0.1)
+    for heads, length, paired in ((H, T, False), (H // 2, 2 * T, True)):
+        q, k, v = (jnp.asarray(rng.standard_normal((length, heads, K)), jnp.bfloat16) for _ in range(3))
+        docs = np.repeat(docs_T, 2) if paired else np.asarray(docs_T)
+        time_part(table, f"attention {impl}{' paired' if paired else ''}",
+                  lambda q, k, v, d, w: attend(q, k, v, d, w, scale), (q, k, v, jnp.asarray(docs, jnp.int32)), 3,
+                  rng, repeats, windows=sorted({w for pair in windows for w in (pair[:1] if paired else pair)}),
+                  tokens=T, flops=lambda w, docs=docs, heads=heads: 12 * K * heads * attention_pairs(docs, w),
+                  note=lambda w, docs=docs: f"{attention_pairs(docs, w) / len(docs):.0f} keys/query")
 
 
 def block_part_rows(table, hp, params, inputs_T, targets_T, rng, repeats):
-    """Embeddings + value embeddings, one MLP, head + loss with each head."""
+    """One FP8 MLP (layer 0's weights, activation scale 1) and the FP8 head + loss."""
     T, D = len(inputs_T), hp.model_dim
-    inputs, targets = jnp.asarray(inputs_T), jnp.asarray(targets_T)
-    tables = [params["embed.weight"]] + [params[f"value_embeds.embed.{k}.weight"] for k in range(3)]
-
-    def embed(e, v0, v1, v2, tokens):
-        return tg.rms_norm(e[tokens]), v0[tokens], v1[tokens], v2[tokens]
-
-    time_part(table, "embeddings + value embeddings", embed, (*tables, inputs), 4, rng, repeats, tokens=T,
-              note="gathers + scatter-adds: memory-bound, no matmul FLOPs")
-    mlp_names = ["blocks.0.mlp.c_fc.weight", "blocks.0.mlp.c_proj.weight"]
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-    time_part(table, "MLP (one layer)", lambda x, fc, proj: tg.mlp(dict(zip(mlp_names, (fc, proj))), 0, x),
-              (x, *(params[n] for n in mlp_names)), 3, rng, repeats, tokens=T, flops=6 * 8 * D * D * T)
-    h = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((hp.padded_vocab, D)) * D**-0.5, jnp.float32)
-    for fp8 in (True, False):
-        time_part(table, f"head + loss {'fp8' if fp8 else 'bf16'}",
-                  lambda h, w, t, fp8=fp8: tg.head_loss(h, w, t, fp8), (h, w, targets), 2, rng, repeats, tokens=T,
-                  flops=6 * hp.padded_vocab * D * T, note="backward recomputes the logits (not counted)")
+    w1, w2 = params["mlp_bank"][0, 0], params["mlp_bank"][0, 1]
+    w_scale = tg.measured_scale(w2) * np.float32(tg.MLP_WEIGHT_HEADROOM)
+    valid = jnp.ones(T, bool)
+    time_part(table, "MLP fp8 (one layer)", lambda x, w1, w2: tg.mlp_fp8(x, w1, w2, w_scale, jnp.float32(1.0), valid)[0],
+              (x, w1, w2), 3, rng, repeats, tokens=T, flops=6 * 8 * D * D * T)
+    mtp, pw = tg.loss_weights(0, hp)
+    prefix = tg.prefix_targets(jnp.asarray(tg.prefix_table(hp.padded_vocab)), jnp.asarray(targets_T))
+    cols, ws, total = tg._loss_targets(jnp.asarray(targets_T), jnp.asarray(mtp), prefix, pw, hp.padded_vocab)
+    time_part(table, "head + loss fp8 (MTP, prefix)",
+              lambda h, w: tg.train_head_loss(h, w, cols, ws, total)[0], (x, params["lm_head.weight"]), 2, rng,
+              repeats, tokens=T, flops=6 * hp.padded_vocab * D * T, note="gradient built in the forward")
 
 
 def optimizer_rows(table, hp, mesh, params, rng, repeats):
-    """The whole optimizer update (Adam groups + Muon), then Muon alone on the block matrices."""
+    """One optimizer step from random gradients: NorMuon on the banks, Adam on the rest (an odd step)."""
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(params, replicated)
     grads = jax.device_put(random_like(rng, params), replicated)
-    ns_flops = newton_schulz_flops(p.shape for n, p in params.items() if is_muon(n, p))
-
-    def update(optimizer, params, grads):
-        def step(params, state, grads):
-            updates, state = optimizer.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        state = jax.jit(optimizer.init, out_shardings=replicated)(params)
-        compiled, compile_s = compile_timed(jax.jit(step), params, state, grads)
-        return compiled, compile_s, seconds_per_call(compiled, (params, state, grads), repeats)
-
-    compiled, compile_s, sec = update(tg.make_optimizer(hp, mesh), params, grads)
-    table.add("optimizer update (Adam + Muon)", sec, flops=ns_flops, compiled=compiled, compile_s=compile_s,
-              devices=mesh.size, note="FLOPs: Newton-Schulz only (Adam is elementwise)")
-    muon = tg.muon(lambda step: hp.muon_lr, lambda step: 0.95, mesh)
-    subset = {n: p for n, p in params.items() if is_muon(n, p)}
-    compiled, compile_s, sec = update(muon, subset, {n: grads[n] for n in subset})
-    table.add("optimizer: Muon alone", sec, flops=ns_flops, compiled=compiled, compile_s=compile_s,
-              devices=mesh.size, note=f"{len(subset)} matrices, NS5 in bf16")
+    state = jax.jit(lambda p: tg.init_optimizer_state(p, hp), out_shardings=replicated)(params)
+    sv = tg.step_values_at(1, hp)
+    step = jax.jit(lambda p, g, s, sv: tg.optimizer_step(p, g, s, hp, sv))
+    compiled, compile_s = compile_timed(step, params, grads, state, sv)
+    sec = seconds_per_call(compiled, (params, grads, state, sv), repeats)
+    table.add("optimizer step (NorMuon + Adam)", sec, flops=polar_express_flops(hp), compiled=compiled,
+              compile_s=compile_s, devices=mesh.size, note="FLOPs: Polar Express only (the rest is elementwise)")
 
 
-def model_rows(table, hp, params, inputs_T, targets_T, docs_T, repeats, windows, heads, attention):
-    """The whole model's loss and gradients for one sequence, compiled once per head, timed at each window."""
-    T = len(inputs_T)
-    inputs, targets = jnp.asarray(inputs_T), jnp.asarray(targets_T)
-    for fp8 in heads:
-        def loss_and_grads(params, inputs, targets, window, fp8=fp8):
-            return jax.value_and_grad(tg.loss_fn)(params, inputs, targets, window, True, fp8, attention)
+def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats, attention):
+    """The model's loss and gradients for one chunk at each stage shape (training, FP8), its windows
+    and schedule values; one compile per shape."""
+    names = list(tg.param_shapes(hp))
+    trainable = {k: params[k] for k in names}
+    buffers = {k: v for k, v in params.items() if k not in names}
+    prefix_V = jnp.asarray(tg.prefix_table(hp.padded_vocab))
+    for first in stage_firsts(hp):
+        T = tg.stage_shape(first, hp)[0]
+        inputs, targets = jnp.asarray(inputs_RxT[0, :T]), jnp.asarray(targets_RxT[0, :T])
+        a = tg.schedule_values(first, hp)
+        scales = tg.fp8_mlp_scales(params, first, hp)
+        short, long = (int(w) for w in tg.windows(first, hp))
 
-        compiled, compile_s = compile_timed(jax.jit(loss_and_grads), params, inputs, targets, jnp.int32(1))
-        for i, window in enumerate(windows):
-            sec = seconds_per_call(compiled, (params, inputs, targets, jnp.int32(window)), repeats, warm_up=i == 0)
-            table.add(f"model fwd+bwd {attention} w={window} {'fp8' if fp8 else 'bf16'}", sec, tokens=T,
-                      flops=model_flops(hp, docs_T[None], window), nominal=nominal_flops(hp, T, window),
-                      compiled=compiled, compile_s=compile_s)
+        def loss_and_grads(p, inputs, targets, a):
+            return jax.value_and_grad(lambda p: tg.sequence_loss(
+                {**buffers, **p}, inputs, targets, a, True, scales, tg.prefix_targets(prefix_V, targets),
+                attention)[0])(p)
+
+        compiled, compile_s = compile_timed(jax.jit(loss_and_grads), trainable, inputs, targets, a)
+        sec = seconds_per_call(compiled, (trainable, inputs, targets, a), repeats)
+        docs = documents(inputs_RxT[:1, :T], hp.bos_id)
+        table.add(f"model fwd+bwd {attention} stage {tg.stage_of(first, hp)[0]} T={T} W={short}/{long}", sec,
+                  tokens=T, flops=model_flops(hp, docs, short, long), compiled=compiled, compile_s=compile_s)
 
 
 # -----------------------------------------------------------------------------
 # The train and validation steps as train() builds them
 
 
-def build_steps(hp, mesh):
-    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-    optimizer = tg.make_optimizer(hp, mesh)
-    params, opt_state = tg.initial_state(hp, mesh, optimizer)
-    train_step, val_step = tg.make_steps(hp, mesh, optimizer)
-    batch = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=rows)
-    window = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return train_step, val_step, params, opt_state, batch, window
-
-
-def compile_cold_and_warm(train_step, val_step, params, opt_state, batch, window):
-    """Compile both steps into an empty persistent cache, forget them in memory, compile them again."""
+def compile_cold_and_warm(hp, mesh, state, prefix_V):
+    """compile_steps into an empty persistent cache, forget the programs in memory, compile again."""
     seconds = {}
     for kind in ("cold", "warm"):
         if kind == "warm":
             jax.clear_caches()
-        train, seconds[f"train_{kind}_s"] = compile_timed(train_step, params, opt_state, batch, batch, window)
-        val, seconds[f"val_{kind}_s"] = compile_timed(val_step, params, batch, batch, window)
-    return train, val, seconds
+        t0 = time.perf_counter()
+        programs, val_step = tg.compile_steps(hp, mesh, *state, prefix_V)
+        seconds[f"{kind}_s"] = time.perf_counter() - t0
+    return programs, val_step, seconds
 
 
-def run_train_steps(step, state, inputs, targets, window, n, synced=True):
-    """n train steps chained like train()'s loop (parameters are donated); returns (state, seconds per step)."""
-    params, opt_state = state
-    window = np.int32(window)
+def run_train_steps(program, state, x, y, inputs, prefix_V, n, synced=True):
+    """n steps of one stage's program chained as train() chains them (params, optimizer and FP8 state
+    are donated); returns (state, seconds per step)."""
+    params, buffers, opt_state, fp8 = state
     t0 = time.perf_counter()
     for _ in range(n):
-        params, opt_state, loss = step(params, opt_state, inputs, targets, window)
+        params, opt_state, fp8, loss = program(params, buffers, opt_state, fp8, x, y, *inputs, prefix_V)
         if synced:
             float(loss)  # train() reads every step's loss
     float(loss)
-    return (params, opt_state), (time.perf_counter() - t0) / n
+    return (params, buffers, opt_state, fp8), (time.perf_counter() - t0) / n
 
 
 def memory_report(compiled_train) -> dict:
@@ -409,30 +376,59 @@ def memory_report(compiled_train) -> dict:
         "peak_source": "device memory_stats peak_bytes_in_use (process so far: compile + train steps)"
         if peak is not None else f"n/a: the {jax.default_backend()} backend reports no device memory stats",
         "compiled_peak_mib": xla_peak / 2**20,
-        "compiled_source": "XLA buffer assignment of the compiled train step (memory_analysis)",
+        "compiled_source": "XLA buffer assignment of the last stage's compiled train program (memory_analysis)",
     }
 
 
-def estimated_run_s(hp, ms_at_1: float, ms_at_max: float) -> float:
-    """The preset's training time: each step's window, its step time interpolated linearly between the two."""
-    top = tg.window_blocks(hp.num_iterations, hp)
-    return sum(ms_at_1 + (ms_at_max - ms_at_1) * (tg.window_blocks(s, hp) - 1) / max(top - 1, 1)
-               for s in range(hp.num_iterations)) / 1e3
+def estimated_run_s(hp, ms_by_first: dict) -> float:
+    """The preset's training time: each step at its stage program's measured time."""
+    firsts = sorted(ms_by_first)
+    shape_ms = {tg.stage_shape(f, hp): ms_by_first[f] for f in firsts}
+    return sum(shape_ms[tg.stage_shape(s, hp)] for s in range(hp.total_steps)) / 1e3
 
 
-def breakdown(hp, rows, per_device, w, train_ms) -> list:
-    """The train step at window w split into its parts' standalone times (x how often each runs per device)."""
-    head = "fp8" if hp.fp8_head else "bf16"
-    layers = sum(rows[f"attention layer {hp.attention} w={lw}"]["ms"] for lw in layer_windows(hp, w))
-    parts = [
-        ("embeddings + value embeddings", per_device * rows["embeddings + value embeddings"]["ms"]),
-        (f"attention layers ({len(layer_windows(hp, w))})", per_device * layers),
-        (f"MLPs ({hp.num_layers})", per_device * hp.num_layers * rows["MLP (one layer)"]["ms"]),
-        (f"head + loss {head}", per_device * rows[f"head + loss {head}"]["ms"]),
-        ("optimizer update", rows["optimizer update (Adam + Muon)"]["ms"]),
-    ]
-    parts.append(("rest (norms, skips, scan, all-reduce, fusion differences)", train_ms - sum(ms for _, ms in parts)))
-    return [{"part": name, "ms": ms, "pct_of_step": 100 * ms / train_ms} for name, ms in parts]
+def train_rows(table, hp, mesh, rng, repeats):
+    """Compile the train programs and the validation step cold and warm, time each stage's program
+    (synced, then pipelined for the last), read the peak memory, time the validation step."""
+    print("bench: compiling the train and validation steps, cold then warm", file=sys.stderr, flush=True)
+    replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    state = tg.initial_state(hp, mesh)
+    prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), replicated)
+    programs, val_step, compile_s = compile_cold_and_warm(hp, mesh, state, prefix_V)
+    ms, last = {}, None
+    for first in stage_firsts(hp):
+        shape = tg.stage_shape(first, hp)
+        inputs, targets = sample_chunks(rng, hp, tg.RANKS, shape[0])
+        x, y = (jax.device_put(a, by_chunk) for a in (inputs, targets))
+        step_inputs = tg.step_inputs(first | 1, hp)  # an odd step: NorMuon and Adam
+        state, _ = run_train_steps(programs[shape], state, x, y, step_inputs, prefix_V, 1)  # warm-up
+        state, sec = run_train_steps(programs[shape], state, x, y, step_inputs, prefix_V, repeats)
+        short, long = (int(w) for w in tg.windows(first, hp))
+        stage = tg.stage_of(first, hp)[0]
+        batch = tg.RANKS * shape[0]
+        table.add(f"train step stage {stage} (synced) W={short}/{long}", sec, tokens=batch, devices=mesh.size,
+                  flops=model_flops(hp, documents(inputs, hp.bos_id), short, long), compiled=programs[shape])
+        ms[first], last = sec * 1e3, (programs[shape], x, y, step_inputs, inputs, short, long, stage, batch)
+    program, x, y, step_inputs, inputs, short, long, stage, batch = last
+    state, pipelined = run_train_steps(program, state, x, y, step_inputs, prefix_V, repeats, synced=False)
+    table.add(f"train step stage {stage} (pipelined) W={short}/{long}", pipelined, tokens=batch, devices=mesh.size,
+              flops=model_flops(hp, documents(inputs, hp.bos_id), short, long),
+              note="no per-step sync: the device-bound step time")
+    memory = memory_report(program)
+    a = {k: v for k, v in tg.schedule_values(hp.total_steps, hp, final_val=True).items() if k in tg.VAL_KEYS}
+    val_inputs, val_targets = sample_chunks(rng, hp, tg.RANKS, hp.val_batch_size // tg.RANKS)
+    vx, vy = (jax.device_put(v, by_chunk) for v in (val_inputs, val_targets))
+    val_sec = seconds_per_call(val_step, (state[0], state[1], vx, vy, a), repeats)
+    table.add("validation step (final windows)", val_sec, tokens=hp.val_batch_size, devices=mesh.size,
+              flops=model_flops(hp, documents(val_inputs, hp.bos_id), *(int(w) for w in tg.windows(
+                  hp.total_steps, hp, True)), backward=False), compiled=val_step, note="forward, bf16 head")
+    summary = {"ms_by_stage": {str(tg.stage_of(f, hp)[0]): v for f, v in ms.items()},
+               "ms_pipelined_last_stage": pipelined * 1e3, "host_loop_ms": ms[max(ms)] - pipelined * 1e3,
+               "tokens_per_s_last_stage": batch / (ms[max(ms)] / 1e3),
+               "estimated_run_s": estimated_run_s(hp, ms),
+               "estimated_run_note": f"{hp.total_steps} steps, each at its stage program's synced step time; "
+                                     f"validation excluded, as on the record clock"}
+    return compile_s, summary, memory, (program, state, x, y, step_inputs, prefix_V)
 
 
 # -----------------------------------------------------------------------------
@@ -443,14 +439,17 @@ DERIVED_LINES = {"XLA Modules", "Steps", "Framework Ops", "Framework Name Scope"
 HLO_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]+)"', re.M)
 
 
-def profile_train(step, state, inputs, targets, window, trace_dir):
+def profile_rows(train_state, trace_dir):
+    """A trace of PROFILE_STEPS train steps of the last stage's program, and its top device ops."""
+    program, state, x, y, step_inputs, prefix_V = train_state
+    os.makedirs(trace_dir, exist_ok=True)
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     if jax.default_backend() == "cpu":
         options.host_tracer_level = 3  # XLA:CPU records its thunks (the ops) only at the verbose level
     with jax.profiler.trace(trace_dir, profiler_options=options):
-        state, sec = run_train_steps(step, state, inputs, targets, window, PROFILE_STEPS)
-    return state, sec
+        _, sec = run_train_steps(program, state, x, y, step_inputs, prefix_V, PROFILE_STEPS)
+    return top_device_ops(latest_trace(trace_dir), PROFILE_STEPS, sec * 1e3, program.as_text())
 
 
 def latest_trace(trace_dir: str) -> str:
@@ -543,39 +542,6 @@ def profile_lines(profile: dict) -> list:
 # The suite
 
 
-def train_rows(table, hp, mesh, inputs, targets, docs, repeats):
-    """Compile the train and validation steps cold and warm, time the train step at windows 1 and full
-    (synced, then pipelined), read the peak memory, time the validation step."""
-    R, T, top = len(inputs), hp.seq_len, tg.window_blocks(hp.num_iterations, hp)
-    print("bench: compiling the train and validation steps, cold then warm", file=sys.stderr, flush=True)
-    train_step, val_step, params, opt_state, batch_spec, window_spec = build_steps(hp, mesh)
-    train, val, compile_s = compile_cold_and_warm(train_step, val_step, params, opt_state, batch_spec, window_spec)
-    x, y = (jax.device_put(a, NamedSharding(mesh, P("dp"))) for a in (inputs, targets))
-    state, _ = run_train_steps(train, (params, opt_state), x, y, 1, 1)  # warm-up
-    synced = {}
-    for w in (1, top):
-        state, synced[w] = run_train_steps(train, state, x, y, w, repeats)
-        table.add(f"train step w={w} (synced)", synced[w], tokens=hp.batch_size, devices=mesh.size,
-                  flops=model_flops(hp, docs, w), nominal=nominal_flops(hp, T, w) * R, compiled=train)
-    state, pipelined = run_train_steps(train, state, x, y, top, repeats, synced=False)
-    table.add(f"train step w={top} (pipelined)", pipelined, tokens=hp.batch_size, devices=mesh.size,
-              flops=model_flops(hp, docs, top), nominal=nominal_flops(hp, T, top) * R,
-              note="no per-step sync: the device-bound step time")
-    memory = memory_report(train)
-    val_sec = seconds_per_call(val, (state[0], x, y, np.int32(top)), repeats)
-    table.add(f"validation step w={top}", val_sec, tokens=hp.batch_size, devices=mesh.size,
-              flops=model_flops(hp, docs, top, backward=False), compiled=val, note="forward, bf16 head")
-    summary = {
-        "ms_w1": synced[1] * 1e3, "ms_full_window": synced[top] * 1e3, "ms_pipelined": pipelined * 1e3,
-        "host_loop_ms": (synced[top] - pipelined) * 1e3, "tokens_per_s": hp.batch_size / synced[top],
-        "mfu_nominal": table.rows[f"train step w={top} (synced)"]["mfu_nominal"],
-        "estimated_run_s": estimated_run_s(hp, synced[1] * 1e3, synced[top] * 1e3),
-        "estimated_run_note": f"{hp.num_iterations} steps, step time linear in the window between w=1 and "
-                              f"w={top}; validation excluded, as on the record clock",
-    }
-    return compile_s, summary, memory, (train, state, x, y)
-
-
 def guarded(errors: list, section: str, fn, *args):
     """Run one section of the suite; a failure is recorded and printed instead of losing the other sections."""
     try:
@@ -589,75 +555,56 @@ def guarded(errors: list, section: str, fn, *args):
 def run_suite(hp, preset, args):
     """Every measurement of the suite: returns (the JSON-able result, the table of rows)."""
     mesh = tg.make_mesh()
-    R, T, top = hp.batch_size // hp.seq_len, hp.seq_len, tg.window_blocks(hp.num_iterations, hp)
     rng = np.random.default_rng(0)
-    tokens = sample_tokens(rng, (R, T + 1), hp)
-    inputs, targets, docs = tokens[:, :-1], tokens[:, 1:], documents(tokens[:, :-1])
     table, errors = Table(args.peak_tflops), []
     device = jax.devices()[0]
     result = {"device": f"{mesh.size} x {device.device_kind} ({device.platform})", "jax": jax.__version__,
-              "preset": preset, "attention": hp.attention, "num_layers": hp.num_layers, "model_dim": hp.model_dim,
-              "seq_len": T, "batch_size": hp.batch_size, "sequences_per_device": R // mesh.size,
-              "peak_tflops": args.peak_tflops, "windows": [1, top], "attention_implementations": sorted(tg.ATTENTION),
-              "errors": errors}
-    # the real train step first, so that the device's peak memory is the train step's
-    trained = guarded(errors, "train and validation steps", train_rows, table, hp, mesh, inputs, targets, docs,
-                      args.repeats)
+              "preset": preset, "attention": hp.attention, "model_dim": hp.model_dim, "vocab": hp.padded_vocab,
+              "stages": [dataclasses.asdict(s) for s in hp.stages], "chunks_per_device": tg.RANKS // mesh.size,
+              "peak_tflops": args.peak_tflops, "attention_implementations": sorted(tg.ATTENTION), "errors": errors}
+    # the real train programs first, so that the device's peak memory is theirs
+    trained = guarded(errors, "train and validation steps", train_rows, table, hp, mesh, rng, args.repeats)
     result["compile"], result["train_step"], result["memory"], train_state = trained or (None, None, None, None)
 
     params = tg.init_params(hp, 0)  # the model and its parts run on one device
-    guarded(errors, "model", model_rows, table, hp, params, inputs[0], targets[0], docs[0], args.repeats, (1, top),
-            (True, False), hp.attention)
-    for impl in sorted(set(tg.ATTENTION) - {hp.attention}):
-        guarded(errors, f"model with {impl} attention", model_rows, table, hp, params, inputs[0], targets[0], docs[0],
-                args.repeats, (top,), (hp.fp8_head,), impl)
-    guarded(errors, "embeddings, MLP, head", block_part_rows, table, hp, params, inputs[0], targets[0], rng,
-            args.repeats)
+    T_max = max(s.batch_size for s in hp.stages) // tg.RANKS
+    inputs, targets = sample_chunks(rng, hp, 1, T_max)
+    guarded(errors, "model", model_rows, table, hp, params, inputs, targets, args.repeats, hp.attention)
+    guarded(errors, "MLP and head", block_part_rows, table, hp, params, inputs[0], targets[0], rng, args.repeats)
+    last = tg.stage_bounds(hp)[-2][0]  # the last scheduled stage: the largest chunk
+    T = tg.stage_shape(last, hp)[0]
+    windows = sorted({tuple(int(w) for w in tg.windows(first, hp)) for first, _ in tg.stage_bounds(hp)})
     for impl in sorted(tg.ATTENTION):
-        guarded(errors, f"{impl} attention kernel", attention_kernel_rows, table, hp, impl, docs[0], rng,
-                args.repeats)
-        guarded(errors, f"{impl} attention layer", attention_layer_rows, table, hp, impl, params, docs[0], rng,
-                args.repeats, sorted({1, *layer_windows(hp, top)}))
+        guarded(errors, f"{impl} attention", attention_kernel_rows, table, hp, impl,
+                documents(inputs[:1, :T], hp.bos_id)[0], windows, rng, args.repeats)
     guarded(errors, "optimizer", optimizer_rows, table, hp, mesh, params, rng, args.repeats)
-    result["rows"], result["breakdown"], result["profile"] = table.rows, None, None
-    if trained:
-        result["breakdown"] = guarded(errors, "breakdown", breakdown, hp, table.rows, R // mesh.size, top,
-                                      result["train_step"]["ms_pipelined"])
+    result["rows"], result["profile"] = table.rows, None
     if trained and args.profile:
-        result["profile"] = guarded(errors, "profile", profile_rows, train_state, top, args.profile)
+        result["profile"] = guarded(errors, "profile", profile_rows, train_state, args.profile)
     return result, table
 
 
-def profile_rows(train_state, window, trace_dir):
-    train, state, x, y = train_state
-    os.makedirs(trace_dir, exist_ok=True)
-    _, sec = profile_train(train, state, x, y, window, trace_dir)
-    return top_device_ops(latest_trace(trace_dir), PROFILE_STEPS, sec * 1e3, train.as_text())
-
-
 def report_lines(result: dict, table: Table) -> list:
-    """The suite's printed report: a header per section present, the table, the breakdown, the profile."""
-    out = [f"bench suite: preset {result['preset']} ({result['num_layers']} layers, d={result['model_dim']}), "
-           f"T={result['seq_len']}, batch {result['batch_size']:,} tokens ({result['sequences_per_device']} "
-           f"sequence(s) per device), attention {result['attention']}, {result['device']}, jax {result['jax']}"]
+    """The suite's printed report: a header per section present, the table, the profile."""
+    stages = ", ".join(f"{s['batch_size']:,}" for s in result["stages"])
+    out = [f"bench suite: preset {result['preset']} (d={result['model_dim']}, vocab {result['vocab']:,}), batches "
+           f"[{stages}] tokens as 8 chunks ({result['chunks_per_device']} per device), attention "
+           f"{result['attention']}, {result['device']}, jax {result['jax']}"]
     if result["compile"]:
         c, m, t = result["compile"], result["memory"], result["train_step"]
         peak = "n/a" if m["peak_mib"] is None else f"{m['peak_mib']:,.0f} MiB"
+        by_stage = ", ".join(f"stage {k} {v:.1f} ms" for k, v in t["ms_by_stage"].items())
         out += [
-            f"compile: train step {c['train_cold_s']:.1f}s cold, {c['train_warm_s']:.1f}s warm; validation step "
-            f"{c['val_cold_s']:.1f}s cold, {c['val_warm_s']:.1f}s warm (fresh persistent cache, then "
-            f"jax.clear_caches())",
-            f"memory: peak {peak} ({m['peak_source']}); compiled train step {m['compiled_peak_mib']:,.0f} MiB "
+            f"compile: the train programs and the validation step {c['cold_s']:.1f}s cold, {c['warm_s']:.1f}s warm "
+            f"(fresh persistent cache, then jax.clear_caches())",
+            f"memory: peak {peak} ({m['peak_source']}); compiled train program {m['compiled_peak_mib']:,.0f} MiB "
             f"({m['compiled_source']})",
-            f"train step: {t['ms_full_window']:.1f} ms at the full window, {t['ms_w1']:.1f} ms at w=1; host loop "
-            f"{t['host_loop_ms']:.1f} ms/step; {t['tokens_per_s']:,.0f} tokens/s; estimated run "
+            f"train step: {by_stage}; host loop {t['host_loop_ms']:.1f} ms/step; "
+            f"{t['tokens_per_s_last_stage']:,.0f} tokens/s in the last stage; estimated run "
             f"{t['estimated_run_s']:.1f}s ({t['estimated_run_note']})",
         ]
     out += [f"MFU against {result['peak_tflops']:.0f} TFLOP/s per device; GFLOP = useful FLOPs (see bench.py --help)",
             "", *table.lines()]
-    if result["breakdown"]:
-        out += ["", f"train step (pipelined, w={result['windows'][1]}) from its parts:",
-                *(f"  {b['part']:<58}{b['ms']:>10.2f} ms{b['pct_of_step']:>7.1f}%" for b in result["breakdown"])]
     if result["profile"]:
         out += ["", *profile_lines(result["profile"])]
     for e in result["errors"]:
@@ -666,45 +613,26 @@ def report_lines(result: dict, table: Table) -> list:
 
 
 # -----------------------------------------------------------------------------
-# Single benchmarks and the command line
-
-
-def attention_layer_mode(hp, args):
-    """Each attention implementation alone at windows 1, 7, 14, then the model forward+backward with each."""
-    rng = np.random.default_rng(0)
-    tokens = sample_tokens(rng, (hp.seq_len + 1,), hp)
-    docs = documents(tokens[:-1])
-    table = Table(args.peak_tflops)
-    for impl in sorted(tg.ATTENTION):
-        attention_kernel_rows(table, hp, impl, docs, rng, args.repeats)
-    params = tg.init_params(hp, 0)
-    for impl in sorted(tg.ATTENTION):
-        model_rows(table, hp, params, tokens[:-1], tokens[1:], docs, args.repeats, (args.window,),
-                   (not args.no_fp8,), impl)
-    return table
+# The single benchmark and the command line
 
 
 def model_mode(hp, args):
+    """The model's forward+backward of one chunk at each stage shape."""
     rng = np.random.default_rng(0)
-    tokens = sample_tokens(rng, (hp.seq_len + 1,), hp)
+    T_max = max(s.batch_size for s in hp.stages) // tg.RANKS
+    inputs, targets = sample_chunks(rng, hp, 1, T_max)
     table = Table(args.peak_tflops)
-    model_rows(table, hp, tg.init_params(hp, 0), tokens[:-1], tokens[1:], documents(tokens[:-1]), args.repeats,
-               (args.window,), (not args.no_fp8,), hp.attention)
+    model_rows(table, hp, tg.init_params(hp, 0), inputs, targets, args.repeats, hp.attention)
     return table
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--suite", action="store_true", help="the whole picture: compile, train step, model, parts")
-    mode.add_argument("--attention-layer", action="store_true",
-                      help="each attention implementation alone at windows 1, 7, 14, and the model with each")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    parser.add_argument("--suite", action="store_true", help="the whole picture: compile, train steps, model, parts")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--attention", default="xla", choices=sorted(tg.ATTENTION),
                         help="attention implementation of the model, as in train_gpt.py (default xla)")
-    parser.add_argument("--window", type=int, help="long window in blocks for the single benchmarks (default: full)")
-    parser.add_argument("--no-fp8", action="store_true", help="single benchmarks: bf16 head instead of FP8")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median; default 3)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU (default 989)")
     parser.add_argument("--profile", metavar="DIR", help="with --suite: trace train steps into DIR, list top ops")
@@ -715,14 +643,6 @@ def parse_args(argv=None):
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
     return args
-
-
-def hyperparameters(args):
-    preset = args.preset or ("record" if jax.default_backend() == "gpu" else "tiny")
-    changes = {"attention": args.attention}
-    if args.seq_len:
-        changes["seq_len"] = args.seq_len
-    return preset, dataclasses.replace(PRESETS[preset], **changes)
 
 
 def write_out(path: str, text: str) -> None:
@@ -741,13 +661,11 @@ def main(argv=None) -> int:
             os.makedirs(folder, exist_ok=True)
             if os.path.isdir(args.out) or not os.access(folder, os.W_OK):
                 raise OSError(f"--out {args.out}: cannot write a file there")
-        preset, hp = hyperparameters(args)
-        if args.window is None:
-            args.window = tg.window_blocks(hp.num_iterations, hp)
-        sequences = hp.batch_size // hp.seq_len
-        if args.suite and sequences % jax.device_count():
-            raise ValueError(f"the step's {sequences} sequences of --seq-len {hp.seq_len} do not split evenly over "
-                             f"{jax.device_count()} devices: choose a --seq-len that makes them a multiple")
+        preset = args.preset or ("record" if jax.default_backend() == "gpu" else "tiny")
+        hp = dataclasses.replace(PRESETS[preset], attention=args.attention)
+        if args.suite and tg.RANKS % jax.device_count():
+            raise ValueError(f"the step's {tg.RANKS} chunks do not split evenly over {jax.device_count()} devices: "
+                             f"use 1, 2, 4 or 8")
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -760,10 +678,9 @@ def main(argv=None) -> int:
             shutil.rmtree(cache_dir, ignore_errors=True)
         lines = report_lines(result, table)
     else:
-        table = attention_layer_mode(hp, args) if args.attention_layer else model_mode(hp, args)
-        result = {"preset": preset, "seq_len": hp.seq_len, "device": jax.devices()[0].device_kind,
-                  "jax": jax.__version__, "rows": table.rows}
-        lines = [f"preset {preset}, T={hp.seq_len}, {result['device']}, jax {jax.__version__}", *table.lines()]
+        table = model_mode(hp, args)
+        result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": table.rows}
+        lines = [f"preset {preset}, {result['device']}, jax {jax.__version__}", *table.lines()]
     text = "\n".join(lines) + "\n" + json.dumps(result) + "\n"
     print(text, end="")
     if args.out:

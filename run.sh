@@ -11,17 +11,42 @@ cd "$(dirname "$0")"
 
 help=0
 attempt=0  # --runs N: a record attempt, handed to records/attempt.py
+script=train_gpt.py  # --script PATH: another training script (a copy, or records/record20/train_gpt.py)
 if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
+    previous=""
     for arg in "$@"; do
         case "$arg" in
             -h|--help) help=1 ;;
             --runs|--runs=*) attempt=1 ;;
+            --script=*) script="${arg#--script=}" ;;
+        esac
+        if [ "$previous" = "--script" ]; then script="$arg"; fi
+        previous="$arg"
+    done
+    if [ ! -f "$script" ]; then
+        echo "run.sh: --script $script: no such file (relative paths start at $(pwd))" >&2
+        exit 2
+    fi
+fi
+if [ "$attempt" = 0 ] && [ "${1:-}" != "test" ]; then  # one run: --script is run.sh's, the rest the script's
+    rest=()
+    skip=0
+    for arg in "$@"; do
+        if [ "$skip" = 1 ]; then skip=0; continue; fi
+        case "$arg" in
+            --script) skip=1 ;;
+            --script=*) ;;
+            *) rest+=("$arg") ;;
         esac
     done
+    set -- ${rest[@]+"${rest[@]}"}
 fi
 if [ "$help" = 1 ]; then  # printed before set-up; help never downloads or writes shards
     cat <<'EOF'
-usage: ./run.sh [train_gpt.py options]   set up, make sure data exists, train on all local devices
+usage: ./run.sh [--script PATH] [train_gpt.py options]
+                                         set up, make sure data exists, train on all local devices
+                                         (--script: another training script, e.g. your copy or
+                                         records/record20/train_gpt.py)
        ./run.sh --runs N [--seed S] [--script COPY.py] [--against LOGS...] [train_gpt.py options]
                                          a record attempt: N seeded runs, then the statistical
                                          verdict (python records/attempt.py --help says more)
@@ -43,7 +68,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
 fi
 python -m pip install -q --disable-pip-version-check -r requirements.txt
 if [ "$help" = 1 ]; then
-    exec python train_gpt.py --help  # needs the packages, not the data
+    exec python "$script" --help  # needs the packages, not the data
 fi
 
 gpus=0
@@ -68,7 +93,8 @@ fi
 
 data_flags=()
 if [ "$gpus" -gt 0 ]; then
-    # the record reads 1393 steps x 524,288 tokens = 730M tokens: 8 train shards of 100M tokens
+    # record 89 reads 339M tokens (410M of shards: BOS-aligned batches skip to the next shard); record
+    # 20's archive 730M: 8 train shards of 100M tokens serve both
     python data/cached_fineweb10B.py 8
 elif ! python data/cached_fineweb10B.py 1; then
     cat <<'EOF'
@@ -89,4 +115,4 @@ fi
 if [ "$attempt" = 1 ]; then
     exec python records/attempt.py "${data_flags[@]}" "$@"
 fi
-exec python train_gpt.py "${data_flags[@]}" "$@"
+exec python "$script" "${data_flags[@]}" "$@"

@@ -1,15 +1,16 @@
-"""The modded-nanogpt speedrun, record 20 ("sub-3-minute"), in JAX.
+"""The modded-nanogpt speedrun's record 89 (PyTorch, KellerJordan/modded-nanogpt f411b3d3) in JAX.
 
-Trains a GPT-2-small-class model (rotary, QK-norm, ReLU², value embeddings, U-net skips,
-softcapped FP8 head) with Muon + Adam on FineWeb until 3.28 validation loss.
-Read top to bottom: 1 hyperparameters, 2 model, 3 optimizer, 4 data, 5 record log, 6 training.
+Trains the record-89 GPT (11 layers, paired-head and long-window attention with YaRN, value and bigram
+embeddings, MUDD dense connections and gates, DC, XSA, ReLU² MLP with FP8, FP8 softcapped head with
+multi-token and prefix-token losses) with NorMuon + Adam on FineWeb, on any number of devices with the
+8-GPU run's math. Read top to bottom: 1 hyperparameters and schedule, 2 model, 3 optimizer, 4 data,
+5 training step, 6 record log, 7 training loop, 8 several processes, 9 command line.
 Importing this file has no side effects; `python train_gpt.py --help` lists every option.
 """
 
 import argparse
 import dataclasses
 import glob
-import itertools
 import json
 import math
 import os
@@ -24,20 +25,22 @@ import time
 import uuid
 import zipfile
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 import numpy as np
 import optax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import fuser  # noqa: F401  (jax 0.11: see the Pallas section)
+from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 SOURCE = pathlib.Path(__file__).read_text()  # read at start-up: the record log embeds the code that runs
 
 
 # -----------------------------------------------------------------------------
-# 1 Hyperparameters
+# 1 Hyperparameters and schedule
 
 
 class ConfigError(ValueError):
@@ -45,200 +48,441 @@ class ConfigError(ValueError):
 
 
 class DataError(ValueError):
-    """Shards or paths that cannot be used; the message names the file (absolute path) and the fix."""
+    """Shards, weights or paths that cannot be used; the message names the file (absolute path) and the fix."""
 
 
-EOT = 50256  # <|endoftext|>: starts every document
-BLOCK = 128  # attention block size (tokens); sequences are multiples of it
-HEAD_DIM = 128
+BOS = 50256  # <|endoftext|>: starts every document
+BLOCK = 128  # window sizes are counted in blocks of this many tokens
+NUM_LAYERS = 11  # the layer layout below (paired, XSA, gates, MUDD, DC) is written for 11 layers of 6 heads
+NUM_HEADS = 6
+RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever the device count
+E4M3_MAX = 448.0
+F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One part of the schedule (the reference's TrainingStage); weights interpolate linearly within it."""
+    batch_size: int  # tokens per optimizer step over all 8 reference ranks
+    max_seq_len: int  # documents are cut at this length
+    windows: tuple  # (short, long) attention windows in BLOCKs
+    lr_mul: float
+    mtp_start: tuple  # multi-token-prediction weights at the stage's first step ...
+    mtp_end: tuple  # ... and at its end
+    prefix_start: float = 0.0
+    prefix_end: float = 0.0
+
+
+RECORD_STAGES = (  # three thirds of the scheduled steps, then the extension (stages counted from 0)
+    Stage(8 * 2048 * 8, 896, (1, 3), 1.0, (1.0, 0.5, 0.25), (1.0, 0.5, 0.0), 0.25, 0.25),
+    Stage(16 * 2048 * 8, 2048, (3, 7), 1.52, (1.0, 0.5), (1.0, 0.0), 0.25, 0.0),
+    Stage(24 * 2048 * 8, 2048, (5, 11), 1.73, (1.0,), (1.0,)),
+    Stage(24 * 2048 * 8, 2048, (6, 13), 1.0, (1.0,), (1.0,)),  # extension: lr stays at the cooldown's end
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Hyperparameters:
     # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # sorted glob, read once in order
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # the same first tokens of the val shards at every validation
-    # batch
-    batch_size: int = 8 * 64 * 1024  # tokens per optimizer step, whatever the device count
-    seq_len: int = 64 * 1024  # tokens per loss (one sequence); the reference's per-GPU share
-    # model
-    vocab_size: int = 50257  # embedding rows; the head is padded to a multiple of 128 (50304)
-    num_layers: int = 12
-    num_heads: int = 6  # head dim is fixed at 128 (the rotary rule is defined for it)
-    model_dim: int = 768
-    fp8_head: bool = True  # FP8 lm_head in training (eval always uses the bf16 head)
-    attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernel; interpreted on CPU)
-    # optimization
-    num_iterations: int = 1393
-    cooldown_frac: float = 0.4  # lr factor 1.0, then linear to final_lr_frac over this last part
-    final_lr_frac: float = 0.1
-    head_lr: float = 0.008
-    embed_lr: float = 0.6
-    scalar_lr: float = 0.04
-    muon_lr: float = 0.05
-    muon_momentum_warmup_steps: int = 300  # Muon momentum 0.85 -> 0.95 over these steps
-    window_tokens: int = 1728  # attention window warmup: 1 block -> ceil(1728/128) = 14 blocks
+    val_tokens: int = 10_485_760
+    val_batch_size: int = 4 * 64 * 1024 * 8  # validation tokens per step over the 8 reference ranks
+    bos_id: int = BOS  # the token that starts every document (<|endoftext|> of GPT-2 shards)
+    # model (layers and heads are fixed: NUM_LAYERS, NUM_HEADS)
+    vocab_size: int = 50257  # padded to a multiple of 128 (50304)
+    head_dim: int = 128  # model_dim = 6 x head_dim
+    attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU)
+    bigram_vocab_size: int = 50304 * 15 // 2  # hash buckets; the last one is position 0's
+    bigram_sign_rows: int = 8192
+    # schedule
+    stages: tuple = RECORD_STAGES
+    num_scheduled_iterations: int = 1270
+    num_extension_iterations: int = 15
+    cooldown_frac: float = 0.6  # the lr multiplier falls linearly to final_lr_mul over this last part
+    final_lr_mul: float = 0.15
+    split_embed_stage: int = 2  # embed and lm_head are untied from this stage's first odd step
+    final_window_long: int = 20  # long window (blocks) of the last validation, without a YaRN update
+    muon_momentum_warmup_steps: int = 300  # 0.85 -> 0.95 over these steps ...
+    muon_momentum_cooldown_steps: int = 50  # ... and back to 0.85 over the last ones
+    fp8_bootstrap_steps: int = 16  # the down projection's weight scales are re-measured before these steps
+    # optimizer
+    adam_lr: float = 0.008
+    adam_eps: float = 1e-10
+    adam_wd: float = 0.005
+    muon_lr: float = 0.023
+    muon_beta2: float = 0.9
+    muon_wd: float = 1.2
     # evaluation, logging, compilation
-    val_loss_every: int = 125  # 0: only at the end
+    val_loss_every: int = 250  # 0: only at the end
     seed: int = 0
     records_dir: str = "records"
     compile_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt_jax")  # "" = off
 
     def __post_init__(self):
-        """Every rule a run depends on, checked before any work (each message names the flag)."""
         problems = [message for ok, message in [
-            (self.seq_len > 0 and self.seq_len % BLOCK == 0,
-             f"--seq-len {self.seq_len} must be a positive multiple of {BLOCK} (the attention block size)"),
-            (self.batch_size > 0 and self.seq_len > 0 and self.batch_size % self.seq_len == 0,
-             f"--batch-size {self.batch_size} must be a positive multiple of --seq-len {self.seq_len}"),
-            (self.val_tokens > 0 and self.batch_size > 0 and self.val_tokens % self.batch_size == 0,
-             f"--val-tokens {self.val_tokens} must be a positive multiple of --batch-size {self.batch_size}"),
-            (self.vocab_size > 0, f"--vocab-size {self.vocab_size} must be positive (check_inputs compares it with "
-                                  f"the shards' largest token id)"),
-            (self.num_layers >= 6 and self.num_layers % 2 == 0,
-             f"--num-layers {self.num_layers}: the U-net needs an even number >= 6"),
-            (self.num_heads > 0 and self.model_dim == self.num_heads * HEAD_DIM,
-             f"--model-dim {self.model_dim} must equal --num-heads {self.num_heads} x {HEAD_DIM} (head dim is fixed), "
-             f"with at least one head"),
-            (self.num_iterations > 0, f"--num-iterations {self.num_iterations} must be at least 1"),
+            (self.head_dim >= 16 and self.head_dim % 8 == 0,
+             f"--head-dim {self.head_dim} must be a multiple of 8, at least 16 (rotary uses head_dim/4 pairs)"),
+            (self.num_scheduled_iterations >= 3,
+             f"--num-scheduled-iterations {self.num_scheduled_iterations} must be at least 3 (three stages)"),
+            (self.num_extension_iterations >= 0,
+             f"--num-extension-iterations {self.num_extension_iterations} must be >= 0"),
             (0 < self.cooldown_frac <= 1, f"--cooldown-frac {self.cooldown_frac} must be in (0, 1]"),
-            (0 <= self.final_lr_frac <= 1, f"--final-lr-frac {self.final_lr_frac} must be in [0, 1]"),
-            *[(lr >= 0 and math.isfinite(lr), f"--{name.replace('_', '-')} {lr} must be a finite number >= 0")
-              for name, lr in [("head_lr", self.head_lr), ("embed_lr", self.embed_lr),
-                               ("scalar_lr", self.scalar_lr), ("muon_lr", self.muon_lr)]],
-            (self.muon_momentum_warmup_steps >= 0,
-             f"--muon-momentum-warmup-steps {self.muon_momentum_warmup_steps} must be >= 0 (0: no warm-up)"),
-            (self.window_tokens >= 0, f"--window-tokens {self.window_tokens} must be >= 0"),
-            (self.val_loss_every >= 0, f"--val-loss-every {self.val_loss_every} must be >= 0 (0: only at the end)"),
+            (len(self.stages) == 4, "four stages: three scheduled thirds and the extension"),
             (self.attention in ("xla", "pallas"), f"--attention {self.attention!r}: choose xla or pallas"),
-            (bool(self.train_files and self.val_files and self.records_dir),
-             "--train-files, --val-files and --records-dir must not be empty"),
+            (0 <= self.bos_id < self.vocab_size,
+             f"--bos-id {self.bos_id} must be a token id below --vocab-size {self.vocab_size}"),
+            *[(s.batch_size % (8 * 16) == 0 and s.max_seq_len > 0,
+               f"stage {k}: batch {s.batch_size} must split into 8 ranks of a multiple of 16 tokens")
+              for k, s in enumerate(self.stages)],
+            (self.val_batch_size % (8 * 16) == 0 and self.val_batch_size > 0 and self.val_tokens > 0
+             and self.val_tokens % self.val_batch_size == 0,
+             f"--val-tokens {self.val_tokens} must be a positive multiple of --val-batch-size {self.val_batch_size}, "
+             f"itself a positive multiple of 128"),
+            (self.vocab_size > 0, f"--vocab-size {self.vocab_size} must be positive"),
+            (self.bigram_vocab_size >= 2 and self.bigram_sign_rows >= 1,
+             f"--bigram-vocab-size {self.bigram_vocab_size} must be at least 2 and --bigram-sign-rows "
+             f"{self.bigram_sign_rows} at least 1"),
+            (self.val_loss_every >= 0, f"--val-loss-every {self.val_loss_every} must be >= 0 (0: only at the end)"),
+            *[(math.isfinite(v) and v > 0, f"--{name.replace('_', '-')} {v} must be a positive number")
+              for name, v in [("adam_lr", self.adam_lr), ("muon_lr", self.muon_lr), ("adam_eps", self.adam_eps)]],
+            *[(math.isfinite(v) and v >= 0, f"--{name.replace('_', '-')} {v} must be a number >= 0")
+              for name, v in [("adam_wd", self.adam_wd), ("muon_wd", self.muon_wd), ("final_lr_mul", self.final_lr_mul)]],
+            (0 <= self.muon_beta2 < 1, f"--muon-beta2 {self.muon_beta2} must be in [0, 1)"),
+            *[(v >= 0, f"--{name.replace('_', '-')} {v} must be >= 0")
+              for name, v in [("muon_momentum_warmup_steps", self.muon_momentum_warmup_steps),
+                              ("muon_momentum_cooldown_steps", self.muon_momentum_cooldown_steps),
+                              ("fp8_bootstrap_steps", self.fp8_bootstrap_steps)]],
+            (0 <= self.split_embed_stage <= 3, f"--split-embed-stage {self.split_embed_stage} must be a stage, 0-3"),
+            (self.final_window_long >= 1, f"--final-window-long {self.final_window_long} must be >= 1 (blocks)"),
+            *[(bool(v), f"--{name.replace('_', '-')} must not be empty")
+              for name, v in [("train_files", self.train_files), ("val_files", self.val_files)]],
         ] if not ok]
         if problems:
             raise ConfigError("bad hyperparameters:\n  " + "\n  ".join(problems))
 
     @property
+    def model_dim(self) -> int:
+        return NUM_HEADS * self.head_dim
+
+    @property
     def padded_vocab(self) -> int:
-        return next_multiple(self.vocab_size, 128)
+        return -(-self.vocab_size // 128) * 128
+
+    @property
+    def total_steps(self) -> int:
+        return self.num_scheduled_iterations + self.num_extension_iterations
 
 
-# Named presets: `record` is exactly record 20; `cpu` is the same architecture family at a size
-# that trains visibly on 2 CPU cores in minutes (12 layers, one 128-dim head, 4 x 512-token sequences).
+# `cpu`: the same topology for 2 CPU cores, passing every transition of the schedule in a few minutes:
+# three stage changes with YaRN, the embedding split, the extension, the final windows and the end
+# of the FP8 bootstrap. What shrinks: head size 16 (model dim 96), the bigram table, the batches (8
+# chunks of 256 / 512 / 768 tokens), documents cut at 256 then 512 tokens, 24 + 3 steps and the
+# step constants that count absolute steps (momentum warm-up 300 -> 8 and cool-down 50 -> 4, FP8
+# bootstrap 16 -> 4), validation on 8 x 1024 tokens every 8 steps.
+CPU_STAGES = tuple(dataclasses.replace(s, batch_size=8 * 256 * k, max_seq_len=256 if k == 1 else 512)
+                   for s, k in zip(RECORD_STAGES, (1, 2, 3, 3)))
 PRESETS = {
     "record": Hyperparameters(),
-    "cpu": Hyperparameters(
-        batch_size=4 * 512, seq_len=512, val_tokens=8 * 2048, model_dim=128, num_heads=1,
-        num_iterations=100, window_tokens=512, val_loss_every=25,
-    ),
+    "cpu": Hyperparameters(head_dim=16, bigram_vocab_size=8 * 1024, stages=CPU_STAGES, num_scheduled_iterations=24,
+                           num_extension_iterations=3, muon_momentum_warmup_steps=8, muon_momentum_cooldown_steps=4,
+                           fp8_bootstrap_steps=4, val_batch_size=8 * 1024, val_tokens=8 * 1024, val_loss_every=8),
 }
 
 
-def next_multiple(n: int, k: int) -> int:
-    return -(-n // k) * k
+# The schedule, as the reference's TrainingSchedule computes it (same float expressions, so the same
+# boundaries, weights and lr multipliers bit for bit).
+
+def stage_bounds(hp: Hyperparameters) -> list:
+    """[(first, end)] of each stage: thirds of the scheduled steps (rounded), then the extension."""
+    n, acc, ends = hp.num_scheduled_iterations, 0.0, [0]
+    for _ in range(2):
+        acc += 1 / 3
+        ends.append(round(acc * n))
+    ends += [n, hp.total_steps]
+    return list(zip(ends[:-1], ends[1:]))
+
+
+def stage_of(step: int, hp: Hyperparameters) -> tuple:
+    """(stage index, fraction of the stage done) at a step; past the end, the extension's end."""
+    for k, (first, end) in enumerate(stage_bounds(hp)):
+        if step < end:
+            return k, (step - first) / (end - first)
+    return len(hp.stages) - 1, 1.0
+
+
+def split_step(hp: Hyperparameters) -> int:
+    """The first odd step of the split stage: embed and lm_head are tied up to and including it."""
+    return stage_bounds(hp)[hp.split_embed_stage][0] | 1
+
+
+def loss_weights(step: int, hp: Hyperparameters) -> tuple:
+    """(MTP weights as float32, prefix weight as float32) at a step, interpolated within the stage."""
+    k, t = stage_of(step, hp)
+    s = hp.stages[k]
+    mtp = [a + (b - a) * t for a, b in zip(s.mtp_start, s.mtp_end)]
+    return np.array(mtp, np.float32), np.float32(s.prefix_start + (s.prefix_end - s.prefix_start) * t)
+
+
+def lr_mul(step: int, hp: Hyperparameters) -> float:
+    """The stage's lr multiplier, falling linearly to final_lr_mul from the cooldown's start."""
+    k, _ = stage_of(step, hp)
+    lr = hp.stages[k].lr_mul
+    cd_start = int(hp.num_scheduled_iterations * (1 - hp.cooldown_frac))
+    if step >= cd_start:
+        t = min(1.0, (step - cd_start) / (hp.num_scheduled_iterations - cd_start))
+        lr = lr * (1 - t) + hp.final_lr_mul * t
+    return lr
+
+
+def muon_momentum(step: int, hp: Hyperparameters) -> float:
+    lo, hi = 0.85, 0.95
+    cd_start = hp.total_steps - hp.muon_momentum_cooldown_steps
+    if step < hp.muon_momentum_warmup_steps:
+        return lo + step / hp.muon_momentum_warmup_steps * (hi - lo)
+    if step > cd_start:
+        return hi - (step - cd_start) / hp.muon_momentum_cooldown_steps * (hi - lo)
+    return hi
+
+
+def windows(step: int, hp: Hyperparameters, final_val: bool = False) -> tuple:
+    """(short, long) attention windows in tokens at a step; the last validation widens the long one."""
+    short, long = hp.stages[stage_of(step, hp)[0]].windows
+    return short * BLOCK, (hp.final_window_long if final_val else long) * BLOCK
 
 
 # -----------------------------------------------------------------------------
-# 2 Model: a pure function of a dict of arrays keyed by the PyTorch reference's state-dict names
+# 2 Model: a pure function of a flat dict of arrays keyed by the PyTorch reference's names.
 #
-# Shape suffixes (x_TxD): T tokens of a sequence, D model dim, H heads, K head dim (128), V vocabulary
-# rows (padded to 50304), N 128-token blocks of a sequence, B tokens per block (128), C tokens of a
-# loss chunk, F rotary frequencies, O x I a weight matrix's (out, in), R sequences per device (§6);
-# in the attention kernels J and Q are the keys and queries of one loop tile.
-
-ATTN_SCALE = 0.12
-RMS_EPS = float(np.finfo(np.float32).eps)  # torch's F.rms_norm default for bf16/fp32 inputs
-BF16 = jnp.bfloat16
-F32 = jnp.float32
+# Shape suffixes: T tokens of a sequence, D model dim, H heads (6), K head dim, V vocabulary rows
+# (padded), N 128-token blocks, B tokens per block, S the paired layers' doubled sequence (2T),
+# G MUDD gate coefficients. Layer layout of record 89 (11 layers, 0-based):
+#   attention everywhere but layer 6 (which adds the skip from layer 3); layers 8-10 attend over
+#   norm(stream after layer 7); paired heads on 0, 2, 5, 9; long windows (and the key offset) on 3
+#   and 10; value embeddings on 1, 2, 8, 9, 10; learnable XSA on 1, 3, 4, 7; output gates on 3, 10;
+#   DC on 10; MUDD dense mixes at layer 10 and after the loop.
 
 
-VALUE_EMBEDS = 3  # value-embedding tables
+BF16, F32 = jnp.bfloat16, jnp.float32
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+PAIRED_LAYERS = (0, 2, 5, 9)
+LONG_WINDOW_LAYERS = (3, 10)
+DC_LAYER = 10
+VE_LAYERS = (1, 2, 8, 9, 10)  # value-embedding table k serves VE_LAYERS[k]
+SKIP_FROM, SKIP_TO = 3, 6
+ATTN_LAYERS = tuple(i for i in range(NUM_LAYERS) if i != SKIP_TO)
+MUDD_DIM = 64
+MUDD_SCALE = 0.1  # MUDD outputs are (W2·gelu(W1·x) + b2)·0.1
+DC_WINDOW = 112  # DC mixes attention probabilities over the last 112 tokens (self included)
+SMEAR_DIMS = 12
+VE_GATE_DIMS = 6  # the value-embedding gate reads 6 dims of x and 6 of the value embedding
+LM_HEAD_X_S, LM_HEAD_W_S, LM_HEAD_GRAD_S = 100 / 448, 1.6 / 448, 0.75 / 448  # FP8 head scales (grad scale 1)
+SOFTCAP_A, SOFTCAP_B, SOFTCAP_C = 23.0, 5.0, 7.5  # logits z = 23·sigmoid((u + 5) / 7.5)
+MLP_ACT_HEADROOM, MLP_WEIGHT_HEADROOM = 1.80, 1.12  # delayed FP8 scales of the down projection
+BIGRAM_HASH = (36313, 27191)
+
+# MUDD gate layouts: which coefficient of the gate networks' outputs drives what.
+PRE_GATE = 26  # from x0:    XSA alphas of layers 1, 3 (6 each), gate of layer 3 (6), x0/bigram of 0..3 (2 each)
+POST_GATE = 41  # at layer 4: XSA of 4, 7, gate of 10, x0/bigram of 4, 5, 7, 8, 9, skip (1), DC w1, w2 (6 each)
+PRE_INJECT_LAYERS, POST_INJECT_LAYERS = (0, 1, 2, 3), (4, 5, 7, 8, 9)
+MUDD_LAYER10, MUDD_FINAL = 14, 5  # coefficients of the two MUDD mixes
 
 
-def value_embed_index(layer: int, num_layers: int):
-    """The 012...012 pattern: the first three and the last three layers get value tables 0, 1, 2."""
-    if layer < VALUE_EMBEDS:
-        return layer
-    if layer >= num_layers - VALUE_EMBEDS:
-        return layer - (num_layers - VALUE_EMBEDS)
-    return None
+def num_qk_matrices() -> int:
+    return len(ATTN_LAYERS) * 2 * (NUM_HEADS // 2)  # one (2K, D) matrix per head pair of Q and of K
 
 
-def has_attention(layer: int, num_layers: int) -> bool:
-    return layer != num_layers // 2 + 1  # block 7 of 12 has only its MLP
+def param_shapes(hp: Hyperparameters) -> dict:
+    """name -> (shape, dtype) of every parameter, in the reference's named_parameters() order."""
+    D, V, K = hp.model_dim, hp.padded_vocab, hp.head_dim
+    n_qk, n_vo = num_qk_matrices(), 2 * len(ATTN_LAYERS)
+    pad8 = lambda n: -(-n // 8) * 8  # banks padded to a multiple of the 8 reference ranks
+    return {
+        "lm_head.weight": ((D, V), BF16),
+        "embed.weight": ((V, D), BF16),
+        "value_embeds": ((len(VE_LAYERS) * V, D), BF16),
+        "ve_gate_bank": ((len(VE_LAYERS), NUM_HEADS, 2 * VE_GATE_DIMS), BF16),
+        "qk_bank": ((pad8(n_qk), 2 * K, D), BF16),
+        "vo_bank": ((pad8(n_vo), D, D), BF16),
+        "mlp_bank": ((NUM_LAYERS + 1, 2, 4 * D, D), BF16),  # [c_fc, c_proj] per layer, one padding layer
+        "smear_gate.weight": ((1, SMEAR_DIMS), BF16),
+        "bigram_embed.weight": ((hp.bigram_vocab_size, D), BF16),
+        "post_lambdas": ((NUM_LAYERS, 2), F32),
+        "resid_lambdas": ((NUM_LAYERS, 2), F32),
+        "scalars": ((pad8(2 * NUM_LAYERS + 2), ), F32),  # sa lambdas (2 per layer), smear, skip, padding
+        "mudd_w1": ((2, MUDD_DIM, D), BF16),
+        "mudd_w2": ((2, MUDD_LAYER10, MUDD_DIM), BF16),
+        "mudd_b2": ((2, MUDD_LAYER10), BF16),
+        "_mudd_gate_scale": ((), F32),
+        "mudd_gate_w1": ((2, MUDD_DIM, D), BF16),
+        "mudd_gate_w2": ((2, POST_GATE, MUDD_DIM), BF16),
+        "mudd_gate_b2": ((2, POST_GATE), BF16),
+    }
 
 
-def has_long_window(layer: int, num_layers: int) -> bool:
-    """Encoder blocks use [long, short, short, short] repeated, the decoder the mirror image: 0, 4, 11 of 12."""
-    half = num_layers // 2
-    return (layer if layer < half else num_layers - 1 - layer) % 4 == 0
+def buffer_shapes(hp: Hyperparameters) -> dict:
+    """The reference's persistent buffers that are state, not parameters."""
+    return {
+        "bigram_sign_table": ((hp.bigram_sign_rows, hp.model_dim), BF16),
+        "_mlp_down_act_scales": ((NUM_LAYERS + 1,), F32),
+        "_mlp_down_proj_scales": ((NUM_LAYERS + 1,), F32),
+        "_mlp_down_proj_next_scales": ((NUM_LAYERS + 1,), F32),
+    }
+
+
+def mudd_bias_init():
+    """The MUDD biases in the pre-scaled domain (effective value = bias·0.1), as the reference sets them."""
+    b = np.zeros((2, MUDD_LAYER10), np.float32)
+    b[0, 6:8] = 2.0 / MUDD_SCALE  # layer 10's value-embedding gates start at 2 (the others' 2·sigmoid max)
+    b[0, 8], b[0, 9] = 1.1**0.5 / MUDD_SCALE, 1.0 / MUDD_SCALE  # layer 10's attention resid / post lambdas
+    b[0, 11] = 0.05 / MUDD_SCALE  # layer 10's bigram injection (x0 injection starts at 0)
+    b[0, 12], b[0, 13] = 1.1**0.5 / MUDD_SCALE, 1.0 / MUDD_SCALE  # layer 10's MLP resid / post lambdas
+    b[1, 1] = -0.5 / MUDD_SCALE  # after the loop: -0.5·(stream after layer 7), the former "backout"
+    g = np.zeros((2, POST_GATE), np.float32)
+    for k in range(2):
+        g[k, 12:18] = 0.25 / MUDD_SCALE  # attention output gates of layers 3 (pre) and 10 (post)
+    g[0, 19:26:2] = 0.05 / MUDD_SCALE  # bigram injections of layers 0..3
+    g[1, 19:28:2] = 0.05 / MUDD_SCALE  # ... and of layers 4, 5, 7, 8, 9
+    g[1, 28] = 0.5 / MUDD_SCALE  # skip gate
+    g[1, 29:35] = 1.0 / MUDD_SCALE  # DC w1 starts at 1
+    return b, g
 
 
 def init_params(hp: Hyperparameters, seed: int) -> dict:
-    """Parameters with the spec's shapes, dtypes and init: bf16 embedding tables, fp32 everything else."""
-    D, L, V = hp.model_dim, hp.num_layers, hp.vocab_size
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + 2 * L))
-    bound = 3**0.5 * 0.5 * D**-0.5  # = 0.03125 at D = 768 (CastedLinear's uniform init)
-
-    def uniform(shape):
-        return jax.random.uniform(next(keys), shape, F32, -bound, bound)
-
-    params = {"embed.weight": jax.random.normal(next(keys), (V, D), F32).astype(BF16)}
-    for k in range(VALUE_EMBEDS):
-        params[f"value_embeds.embed.{k}.weight"] = jax.random.normal(next(keys), (V, D), F32).astype(BF16)
-    for i in range(L):
-        params[f"blocks.{i}.lambdas"] = jnp.array([1.0, 0.0], F32)
-        if has_attention(i, L):
-            params[f"blocks.{i}.attn.qkv_w"] = uniform((3, D, D))
-            params[f"blocks.{i}.attn.lambdas"] = jnp.array([0.5, 0.5], F32)
-            params[f"blocks.{i}.attn.c_proj.weight"] = jnp.zeros((D, D), F32)
-        params[f"blocks.{i}.mlp.c_fc.weight"] = uniform((4 * D, D))
-        params[f"blocks.{i}.mlp.c_proj.weight"] = jnp.zeros((D, 4 * D), F32)
-    params["skip_weights"] = jnp.ones((L // 2,), F32)
-    params["lm_head.weight"] = jnp.zeros((hp.padded_vocab, D), F32)
-    return params
+    """What the reference draws at init (its distributions, scales and zero pattern) from a JAX seed,
+    plus the state buffers: a flat dict by the reference's names."""
+    return _draw_params(hp, jax.random.PRNGKey(seed))
 
 
-def rms_norm(x):
-    """torch's F.rms_norm without weight: fp32 math, eps = fp32 machine epsilon, back to x's dtype."""
+@partial(jax.jit, static_argnums=0)
+def _draw_params(hp: Hyperparameters, key) -> dict:
+    D, V = hp.model_dim, hp.padded_vocab
+    shapes = param_shapes(hp)
+    keys = iter(jax.random.split(key, 16))
+    bound = 3**0.5 * 0.5 * D**-0.5  # uniform with std 0.5/sqrt(D)
+    kaiming = D**-0.5  # kaiming_uniform(a=sqrt(5)) bound for fan-in D
+
+    def uniform(shape, b):
+        return jax.random.uniform(next(keys), shape, F32, -b, b)
+
+    n_qk, n_vo = num_qk_matrices(), 2 * len(ATTN_LAYERS)
+    qk = jnp.zeros(shapes["qk_bank"][0], F32).at[:n_qk].set(uniform((n_qk, 2 * hp.head_dim, D), bound))
+    vo = jnp.zeros(shapes["vo_bank"][0], F32).at[:n_vo].set(uniform((n_vo, D, D), bound))
+    mlp = jnp.zeros(shapes["mlp_bank"][0], F32).at[:, 0].set(uniform((NUM_LAYERS + 1, 4 * D, D), bound))
+    lm_head = (0.005 * jax.random.normal(next(keys), (D, V), F32)).astype(BF16)
+    mudd_b2, gate_b2 = mudd_bias_init()
+    sa = np.tile(np.array([0.5, 1.0], np.float32), NUM_LAYERS)
+    scalars = np.ones(shapes["scalars"][0], np.float32)
+    scalars[:2 * NUM_LAYERS + 2] = np.concatenate([sa, [0.0, -1.5]])  # smear lambda 0, skip lambda -1.5
+    params = {
+        "lm_head.weight": lm_head,
+        "embed.weight": lm_head.T,  # tied at init
+        "value_embeds": 0.01 * jax.random.normal(next(keys), shapes["value_embeds"][0], F32),
+        "ve_gate_bank": jnp.zeros(shapes["ve_gate_bank"][0]),
+        "qk_bank": qk,
+        "vo_bank": vo,
+        "mlp_bank": mlp,
+        "smear_gate.weight": jnp.zeros(shapes["smear_gate.weight"][0]),
+        "bigram_embed.weight": jnp.zeros(shapes["bigram_embed.weight"][0]),
+        "post_lambdas": jnp.ones((NUM_LAYERS, 2)),
+        "resid_lambdas": jnp.full((NUM_LAYERS, 2), 1.1**0.5),
+        "scalars": jnp.asarray(scalars),
+        "mudd_w1": uniform((2, MUDD_DIM, D), kaiming),
+        "mudd_w2": jnp.zeros(shapes["mudd_w2"][0]),
+        "mudd_b2": jnp.asarray(mudd_b2),
+        "_mudd_gate_scale": jnp.asarray(0.1),
+        "mudd_gate_w1": uniform((2, MUDD_DIM, D), kaiming),
+        "mudd_gate_w2": jnp.zeros(shapes["mudd_gate_w2"][0]),
+        "mudd_gate_b2": jnp.asarray(gate_b2),
+    }
+    params = {k: params[k].astype(dtype) for k, (_, dtype) in shapes.items()}
+    signs = jnp.sign(jax.random.normal(next(keys), (hp.bigram_sign_rows, D), F32))
+    ones = jnp.ones((NUM_LAYERS + 1,), F32)
+    return {**params, "bigram_sign_table": signs.astype(BF16), "_mlp_down_act_scales": ones,
+            "_mlp_down_proj_scales": ones, "_mlp_down_proj_next_scales": ones}
+
+
+# --- pieces -------------------------------------------------------------------
+
+
+def rms_norm(x, eps=F32_EPS):
+    """torch's F.rms_norm without weight: fp32 math, rounded once to x's dtype."""
     x32 = x.astype(F32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + RMS_EPS)).astype(x.dtype)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def linear(x, w_OxI):
-    """x @ Wᵀ with the fp32 master weight cast to the activation dtype (CastedLinear)."""
-    return x @ w_OxI.astype(x.dtype).T
+    """F.linear: x @ Wᵀ in x's dtype with fp32 accumulation."""
+    return jnp.matmul(x, w_OxI.astype(x.dtype).T, preferred_element_type=F32).astype(x.dtype)
 
 
-def mix(*terms):
-    """sum of s·x over (s, x) terms, s a scalar (0-d fp32 parameter or Python float), x an activation:
-    computed in fp32 and rounded once to the first x's dtype, as torch.compile's fused kernels do for
-    such elementwise chains. Why not s.astype(bf16)·x: that rounds s itself (3.4445 -> 3.4375), and
-    makes a scalar parameter's gradient a bf16 sum over T·D products."""
-    return sum(jnp.asarray(s, F32) * x.astype(F32) for s, x in terms).astype(terms[0][1].dtype)
+def f32(x):
+    return x.astype(F32)
 
 
-def rotary_cos_sin(T: int, head_dim: int = HEAD_DIM):
-    """Half-truncated RoPE tables (fp32): 32 frequencies (1/1024)^(j/31), then 32 zeros, absolute positions."""
-    n = head_dim // 4
-    freqs_F = jnp.concatenate([(1 / 1024) ** jnp.linspace(0, 1, n, dtype=F32), jnp.zeros(n, F32)])
-    theta_TxF = jnp.arange(T, dtype=F32)[:, None] * freqs_F[None, :]
-    return jnp.cos(theta_TxF), jnp.sin(theta_TxF)
+def bigram_hash(inputs_T, buckets: int):
+    """The reference's bigram bucket of each position: (36313·cur XOR 27191·prev) mod (buckets - 1) in
+    wrapping int32; position 0 takes the last bucket, and position 1 hashes with prev = that bucket
+    (the reference writes it into the array before hashing)."""
+    mod = buckets - 1
+    x = inputs_T.astype(jnp.int32).at[0].set(mod)
+    h = jnp.bitwise_xor(jnp.int32(BIGRAM_HASH[0]) * x[1:], jnp.int32(BIGRAM_HASH[1]) * x[:-1])
+    return jnp.concatenate([x[:1], jnp.mod(h, mod)])  # jnp.mod floors, as torch's %
 
 
-def apply_rotary(x_TxHxK, cos_TxF, sin_TxF):
-    x1, x2 = jnp.split(x_TxHxK.astype(F32), 2, axis=-1)
-    cos, sin = cos_TxF[:, None, :], sin_TxF[:, None, :]
-    y = jnp.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], axis=-1)
-    return y.astype(x_TxHxK.dtype)
+def rope_freqs(head_dim: int) -> np.ndarray:
+    """Half-truncated RoPE: head_dim/4 frequencies (1/1024)^linspace(0, 1), each used by a pair of
+    lanes, then head_dim/2 lanes that do not rotate. float32, as the reference builds them."""
+    f = (np.float32(1 / 1024) ** np.linspace(0, 1, head_dim // 4, dtype=np.float32)).astype(np.float32)
+    return np.concatenate([np.repeat(f, 2), np.zeros(head_dim // 2, np.float32)])
 
 
-# Attention: allowed(q,k) = k <= q AND docs[q] == docs[k] AND floor(q/128) - floor(k/128) < W.
-# Exact block-sparse flash attention in pure JAX: query block n only meets key blocks n-d for
-# d < W, so memory is O(T·128) and compute O(T·W·128). W is a runtime value: a while loop runs W
-# block-diagonals, so one compiled program serves every window. The backward pass is written out
-# (custom_vjp, recomputing probabilities from the saved log-sum-exp) because autodiff of the loop
-# would store every diagonal's scores.
+def yarn_state(step: int, hp: Hyperparameters) -> tuple:
+    """(rotary frequencies, attention scale) at a step: YaRN rescales both at each long-window change
+    (alpha 1, beta 32), cumulatively, in float32 as the reference's Yarn.apply. The final
+    validation's wider window gets no update."""
+    freq = rope_freqs(hp.head_dim)
+    scale = 0.1
+    k_now = stage_of(step, hp)[0]
+    for k in range(k_now):
+        old, new = hp.stages[k].windows[1] * BLOCK, hp.stages[k + 1].windows[1] * BLOCK
+        if old == new:
+            continue
+        rotations = np.float32(old) * freq / np.float32(2 * math.pi)
+        ratio = old / new
+        ramp = np.clip((rotations - np.float32(1)) / np.float32(32 - 1), 0, 1).astype(np.float32)
+        freq = (freq * (np.float32(ratio) + ramp * np.float32(1 - ratio))).astype(np.float32)
+        scale *= 0.2 * math.log(new / old) + 1
+    return freq, scale
+
+
+def rotary(x_TxHxK, freq_K, positions_T, paired: bool):
+    """RoPE with the reference's tables: angles t·freq in fp32, cos and sin rounded to bf16, lanes
+    rotated in adjacent pairs. Paired layers view (T, H, K) as (T, H/2, 2K): the first K lanes take
+    the angles of position 2t, the last K those of 2t+1."""
+    T, H, K = x_TxHxK.shape
+    if paired:
+        x_TxHxK = x_TxHxK.reshape(T, H // 2, 2 * K)
+        theta = jnp.concatenate([(2 * positions_T)[:, None] * freq_K, (2 * positions_T + 1)[:, None] * freq_K], -1)
+    else:
+        theta = positions_T[:, None] * freq_K
+    cos, sin = jnp.cos(theta).astype(BF16), jnp.sin(theta).astype(BF16)
+    x = f32(x_TxHxK)
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    flipped = jnp.flip(pairs, -1).reshape(x.shape)  # (x1, x0) for each lane pair (x0, x1)
+    sign = jnp.tile(jnp.array([1.0, -1.0], F32), x.shape[-1] // 2)
+    y = f32(cos)[:, None, :] * x + (f32(sin) * sign)[:, None, :] * flipped
+    return y.astype(BF16).reshape(T, H, K)
+
+
+# --- attention ------------------------------------------------------------------
+# Document-causal attention with a token-level window (the reference's FA3 call with
+# window_size=(W, 0): query i sees keys i-W..i of its own document, W + 1 keys), exact in pure JAX.
+# Blocks of 128 queries meet the key blocks n-d, d = 0..ceil(W/128), one block diagonal at a time,
+# with online softmax: memory O(T·128), compute O(T·W). W and the softmax scale are runtime values,
+# so one compiled program serves every stage. The backward is written out (custom_vjp, recomputing
+# probabilities from the saved log-sum-exp) because autodiff of the loop would keep every diagonal.
 
 
 def _blocks(x_TxHxK):
@@ -251,66 +495,71 @@ def _unblocks(x_NxHxBxK):
     return x_NxHxBxK.transpose(0, 2, 1, 3).reshape(N * B, H, K)
 
 
-def _diagonal(d, q_NxHxBxK, k_NxHxBxK, docs_NxB):
-    """Scores and mask of each query block n against key block n - d (d-th block diagonal)."""
-    N = q_NxHxBxK.shape[0]
-    kd = jnp.roll(k_NxHxBxK, d, axis=0)  # kd[n] = k[n - d]; wrapped rows are masked below
-    s_NxHxBxB = jnp.einsum("nhqd,nhkd->nhqk", q_NxHxBxK, kd, preferred_element_type=F32) * ATTN_SCALE
+def _diagonal_mask(d, docs_NxB, window):
+    """Which (query, key) pairs of query block n and key block n - d may attend."""
+    N = docs_NxB.shape[0]
     i = jnp.arange(BLOCK)
-    causal_BxB = (d > 0) | (i[None, :] <= i[:, None])
+    distance_BxB = d * BLOCK + i[:, None] - i[None, :]  # query position - key position
+    in_window_BxB = (distance_BxB >= 0) & (distance_BxB <= window)
     same_doc_NxBxB = docs_NxB[:, :, None] == jnp.roll(docs_NxB, d, axis=0)[:, None, :]
     exists_N = jnp.arange(N) >= d
-    mask_NxBxB = causal_BxB[None] & same_doc_NxBxB & exists_N[:, None, None]
-    return s_NxHxBxB, mask_NxBxB[:, None]
+    return (in_window_BxB[None] & same_doc_NxBxB & exists_N[:, None, None])[:, None]  # N x 1 x B x B
 
 
-def _xla_attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
+def _scores(d, q, k, scale):
+    kd = jnp.roll(k, d, axis=0)  # kd[n] = k[n - d]; wrapped rows are masked
+    return jnp.einsum("nhqd,nhkd->nhqk", q, kd, preferred_element_type=F32) * scale
+
+
+def _num_diagonals(window, N):
+    return jnp.clip(window // BLOCK + 1 + (window % BLOCK > 0), 1, N)
+
+
+def _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
     q, k, v = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK)
     N, H, B, K = q.shape
     docs_NxB = docs_T.reshape(N, B)
 
     def diagonal(d, carry):
         m, l, acc = carry
-        s, mask = _diagonal(d, q, k, docs_NxB)
-        s = jnp.where(mask, s, -jnp.inf)
+        s = jnp.where(_diagonal_mask(d, docs_NxB, window), _scores(d, q, k, scale), -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))  # finite from d = 0 on: every query sees itself
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
-        vd = jnp.roll(v, d, axis=0)
-        pv = jnp.einsum("nhqk,nhkd->nhqd", p.astype(v.dtype), vd, preferred_element_type=F32)
+        pv = jnp.einsum("nhqk,nhkd->nhqd", p.astype(v.dtype), jnp.roll(v, d, axis=0), preferred_element_type=F32)
         return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
     init = (jnp.full((N, H, B), -jnp.inf, F32), jnp.zeros((N, H, B), F32), jnp.zeros((N, H, B, K), F32))
-    m, l, acc = jax.lax.fori_loop(0, jnp.clip(window, 1, N), diagonal, init)
-    out = _unblocks(acc / l[..., None]).astype(q_TxHxK.dtype)
-    return out, m + jnp.log(l)
+    m, l, acc = jax.lax.fori_loop(0, _num_diagonals(window, N), diagonal, init)
+    return _unblocks(acc / l[..., None]).astype(q_TxHxK.dtype), m + jnp.log(l)
 
 
 @jax.custom_vjp
-def block_sparse_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
-    """softmax(0.12·q·kᵀ)·v over the allowed (q, k) pairs; q, k, v bf16, fp32 softmax; window in blocks."""
-    return _xla_attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)[0]
+def window_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
+    """softmax(scale·q·kᵀ)·v over keys of the same document at most `window` tokens back; bf16 q, k, v,
+    fp32 softmax, T a multiple of 128."""
+    return _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale)[0]
 
 
-def _xla_attention_vjp_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
-    out, lse = _xla_attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)
-    return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out, lse)
+def _window_attention_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
+    out, lse = _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale)
+    return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, out, lse)
 
 
-def _xla_attention_vjp_bwd(res, dout_TxHxK):
-    q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out_TxHxK, lse = res
+def _window_attention_bwd(res, dout_TxHxK):
+    q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, out_TxHxK, lse = res
     q, k, v, dout = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK), _blocks(dout_TxHxK)
     N, H, B, K = q.shape
     docs_NxB = docs_T.reshape(N, B)
-    delta = jnp.sum(dout.astype(F32) * _blocks(out_TxHxK).astype(F32), axis=-1)  # N x H x B
+    delta = jnp.sum(f32(dout) * f32(_blocks(out_TxHxK)), axis=-1)  # N x H x B
 
     def diagonal(d, carry):
         dq, dk, dv = carry
-        s, mask = _diagonal(d, q, k, docs_NxB)
-        p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+        mask = _diagonal_mask(d, docs_NxB, window)
+        p = jnp.where(mask, jnp.exp(_scores(d, q, k, scale) - lse[..., None]), 0.0)
         vd, kd = jnp.roll(v, d, axis=0), jnp.roll(k, d, axis=0)
         dp = jnp.einsum("nhqd,nhkd->nhqk", dout, vd, preferred_element_type=F32)
-        ds = (p * (dp - delta[..., None]) * ATTN_SCALE).astype(q.dtype)
+        ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
         dq = dq + jnp.einsum("nhqk,nhkd->nhqd", ds, kd, preferred_element_type=F32)
         dk_d = jnp.einsum("nhqk,nhqd->nhkd", ds, q, preferred_element_type=F32)
         dv_d = jnp.einsum("nhqk,nhqd->nhkd", p.astype(q.dtype), dout, preferred_element_type=F32)
@@ -318,23 +567,555 @@ def _xla_attention_vjp_bwd(res, dout_TxHxK):
         return dq, dk + jnp.roll(dk_d, -d, axis=0), dv + jnp.roll(dv_d, -d, axis=0)
 
     zeros = jnp.zeros((N, H, B, K), F32)
-    dq, dk, dv = jax.lax.fori_loop(0, jnp.clip(window, 1, N), diagonal, (zeros, zeros, zeros))
+    dq, dk, dv = jax.lax.fori_loop(0, _num_diagonals(window, N), diagonal, (zeros, zeros, zeros))
     grads = [_unblocks(g).astype(q_TxHxK.dtype) for g in (dq, dk, dv)]
-    return (*grads, None, None)
+    return (*grads, None, None, jnp.zeros_like(scale))
 
 
-block_sparse_attention.defvjp(_xla_attention_vjp_fwd, _xla_attention_vjp_bwd)
+window_attention.defvjp(_window_attention_fwd, _window_attention_bwd)
 
 
-# The same attention as fused Pallas kernels (Triton on GPUs); the caller picks this or the XLA path.
-# Grid (query block n of BLOCK tokens, head h). The runtime window never reaches a kernel: XLA turns
-# (W, docs) into two int32 tables, so one compiled kernel serves every window:
+def dc_correction(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
+    """Post-only dynamic composition (the reference's DC kernel): each head h adds
+    bf16(w2_h · Σ_g w1_g·p_g) @ v_h, where p_g are head g's attention probabilities over the last
+    DC_WINDOW tokens of the document (self included). T a multiple of 128; returns fp32."""
+    q, k, v = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK)
+    N, H, B, K = q.shape
+    docs_NxB = docs_T.reshape(N, B)
+    # key blocks n-1 and n side by side: 2B keys per query block; DC_WINDOW < BLOCK so that suffices
+    s = jnp.concatenate([_scores(1, q, k, scale), _scores(0, q, k, scale)], -1)
+    mask = jnp.concatenate([_diagonal_mask(1, docs_NxB, DC_WINDOW - 1), _diagonal_mask(0, docs_NxB, DC_WINDOW - 1)], -1)
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)  # N x H x B x 2B, fp32
+    w1 = f32(w1_TxH).reshape(N, B, H)
+    w2 = f32(w2_TxH).reshape(N, B, H)
+    a = jnp.einsum("nqg,ngqk->nqk", w1, p)
+    cw = (w2.transpose(0, 2, 1)[..., None] * a[:, None]).astype(v.dtype)  # N x H x B x 2B
+    v2 = jnp.concatenate([jnp.roll(v, 1, axis=0), v], axis=2)  # N x H x 2B x K
+    return _unblocks(jnp.einsum("nhqk,nhkd->nhqd", cw, v2, preferred_element_type=F32))
+
+
+def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_TxHxK=None, xsa_alpha_TxH=None,
+              gate_TxH=None, dc_w=None, attend=None):
+    """One attention sublayer of the reference's CausalSelfAttention on the normed input x.
+    `a` holds the runtime schedule values: windows, rotary frequencies, softmax scale, docs, positions;
+    `attend` is window_attention (XLA) or its fused Pallas twin."""
+    T, D = x_TxD.shape
+    H, K = NUM_HEADS, D // NUM_HEADS
+    paired = layer in PAIRED_LAYERS
+    w_qkv = (lambdas[0] * f32(w_qkv_3DxD)).astype(BF16)  # sa_lambdas (bf16 values) scale the weights
+    q, k, v = jnp.split(linear(x_TxD, w_qkv).reshape(T, 3 * H, K), 3, axis=1)
+    q, k = rms_norm(q), rms_norm(k)
+    q, k = rotary(q, a["freq"], a["positions"], paired), rotary(k, a["freq"], a["positions"], paired)
+    window = a["window_long"] if layer in LONG_WINDOW_LAYERS else a["window_short"]
+    if layer in LONG_WINDOW_LAYERS:  # key offset: the non-rotating half of each key comes from the previous token
+        k = k.at[1:, :, K // 2:].set(k[:-1, :, K // 2:])
+    if aux_v_TxHxK is not None:
+        v = (f32(v) + f32(aux_v_TxHxK)).astype(BF16)
+    if paired:  # heads 0-2 at even, 3-5 at odd positions of a doubled sequence: adjacent heads see each other
+        S = 2 * T
+        y = attend(q.reshape(S, H // 2, K), k.reshape(S, H // 2, K), v.reshape(S, H // 2, K),
+                   jnp.repeat(a["docs"], 2), window, a["scale"]).reshape(T, H, K)
+    else:
+        y = attend(q, k, v, a["docs"], window, a["scale"])
+    if dc_w is not None:
+        w1 = rms_norm(f32(dc_w[0]), eps=1e-6).astype(BF16)  # normalised over the 6 heads
+        y = (f32(y) + dc_correction(q, k, v, a["docs"], w1, dc_w[1], a["scale"])).astype(BF16)
+    if xsa_alpha_TxH is not None:  # gated XSA: remove the part of y along v, per token and head
+        v32 = f32(v)
+        along = jnp.sum(f32(y) * v32, -1, keepdims=True) / jnp.maximum(jnp.sum(v32 * v32, -1, keepdims=True), 1e-8)
+        alpha = jnp.tanh(f32(xsa_alpha_TxH))[..., None]
+        y = (f32(y) - alpha * along * v32).astype(BF16)
+    if gate_TxH is not None:
+        y = (f32(y) * f32(gate_TxH)[..., None]).astype(BF16)
+    w_o = (lambdas[1] * f32(w_o_DxD)).astype(BF16)
+    return linear(y.reshape(T, D), w_o)
+
+
+# --- MLP: relu(x W1ᵀ)² W2, FP8 in training ---------------------------------------
+# Forward as the reference's fused kernels: the up projection in e4m3 with per-tensor amax scales
+# (the activation's measured now, the weight's per layer), the down projection in e4m3 with delayed
+# scales (the activation's from this micro-batch slot's previous forward, the weights' from the
+# previous step). Backward in bf16 from the saved post-activation, using sqrt(post) for relu(pre).
+
+
+def _relu2(acc):
+    c = jnp.maximum(acc.astype(BF16), 0)
+    return (f32(c) * f32(c)).astype(BF16)
+
+
+def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD):
+    g = f32(g_TxD)
+    dw2 = (f32(post_TxF).T @ g).astype(BF16)
+    c = (g @ f32(w2_FxD).T).astype(BF16)
+    dpre = (2 * f32(c) * jnp.sqrt(f32(post_TxF))).astype(BF16)
+    dw1 = jnp.matmul(dpre.T, x_TxD, preferred_element_type=F32).astype(BF16)
+    dx = jnp.matmul(dpre, w1_FxD, preferred_element_type=F32).astype(BF16)
+    return dx, dw1, dw2
+
+
+@jax.custom_vjp
+def mlp_bf16(x_TxD, w1_FxD, w2_FxD):
+    """relu(x W1ᵀ)² W2 in bf16 (validation, and training without FP8)."""
+    return _mlp_bf16_fwd(x_TxD, w1_FxD, w2_FxD)[0]
+
+
+def _mlp_bf16_fwd(x_TxD, w1_FxD, w2_FxD):
+    post = _relu2(jnp.matmul(x_TxD, w1_FxD.T, preferred_element_type=F32))
+    return jnp.matmul(post, w2_FxD, preferred_element_type=F32).astype(BF16), (x_TxD, w1_FxD, w2_FxD, post)
+
+
+mlp_bf16.defvjp(_mlp_bf16_fwd, lambda res, g: _mlp_bwd_bf16(*res, g))
+
+
+def fp8_dot(a, b, contract):
+    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=F32)
+
+
+def measured_scale(w, axes=None):
+    """amax(|w|) / 448 over `axes` in bf16 math, as the reference's quantize_mlp_fp8 measures weights."""
+    return f32(jnp.maximum(jnp.max(jnp.abs(w), axis=axes), 1e-12).astype(BF16) / jnp.asarray(E4M3_MAX, BF16))
+
+
+def quantize_up(w1_FxD):
+    """The up projection's per-layer e4m3 copy and scale (the reference's quantize_mlp_fp8, in bf16 math)."""
+    scale = measured_scale(w1_FxD)
+    return (f32(w1_FxD) / scale).astype(BF16).astype(E4M3), scale
+
+
+def down_weight_scales(mlp_bank, bootstrap, next_L):
+    """The scales the down projections' weights are quantized with this step, per layer: measured now
+    during the bootstrap, else those computed from the previous step's weights (NaN: none saved)."""
+    return jnp.where(bootstrap | jnp.isnan(next_L), measured_scale(mlp_bank[:, 1], axes=(1, 2)), next_L)
+
+
+def next_down_weight_scales(mlp_bank):
+    """The next step's down-projection weight scales: this step's amax x 1.12 / 448, per layer."""
+    amax_L = jnp.maximum(f32(jnp.max(jnp.abs(mlp_bank[:, 1]), axis=(1, 2))), 1e-12)
+    return amax_L * np.float32(MLP_WEIGHT_HEADROOM / E4M3_MAX)
+
+
+@jax.custom_vjp
+def mlp_fp8(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T):
+    """relu(x W1ᵀ)² W2 through e4m3 GEMMs; returns (out, amax of the post-activation). valid_T (bool):
+    the rows that count in the amaxes (padding does not; it is clipped into the e4m3 range)."""
+    return _mlp_fp8_fwd(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T)[0]
+
+
+def _mlp_fp8_fwd(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T):
+    w1_f8, w1_scale = quantize_up(w1_FxD)
+    amax = f32(jnp.maximum(jnp.max(jnp.where(valid_T[:, None], jnp.abs(x_TxD), 0)), 1e-12))
+    x_f8 = jnp.clip(f32(x_TxD) * (E4M3_MAX / amax), -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    dequant = w1_scale * amax / np.float32(E4M3_MAX)
+    post = _relu2(fp8_dot(x_f8, w1_f8, ((1,), (1,))) * dequant)
+    post_f8 = jnp.minimum(f32(post) * (1 / act_scale), E4M3_MAX).astype(E4M3)
+    w2_f8 = jnp.clip(f32(w2_FxD) / w2_scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    out = (fp8_dot(post_f8, w2_f8, ((1,), (0,))) * (act_scale * w2_scale)).astype(BF16)
+    return (out, f32(jnp.max(jnp.where(valid_T[:, None], post, 0)))), (x_TxD, w1_FxD, w2_FxD, post)
+
+
+def _mlp_fp8_bwd(res, g):
+    dx, dw1, dw2 = _mlp_bwd_bf16(*res, g[0])
+    return dx, dw1, dw2, None, None, None
+
+
+mlp_fp8.defvjp(_mlp_fp8_fwd, _mlp_fp8_bwd)
+
+
+# --- the network -----------------------------------------------------------------
+
+
+def mudd(x_TxD, w1_GxD, w2_CxG, b2_C, scale):
+    """A MUDD coefficient network: (W2·gelu(W1·x) + b2)·scale, bf16, one column per coefficient."""
+    h = jax.nn.gelu(f32(linear(x_TxD, w1_GxD)), approximate=False).astype(BF16)
+    return ((f32(linear(h, w2_CxG)) + f32(b2_C)) * scale).astype(BF16)
+
+
+def layer_weights(p: dict, layer: int):
+    """Layer i's (W_qkv, W_o) from the banks: Q and K as 3 head-pair matrices each, then V; O apart."""
+    a = ATTN_LAYERS.index(layer)
+    n = 2 * (NUM_HEADS // 2)
+    qk = p["qk_bank"][n * a:n * (a + 1)].reshape(-1, p["qk_bank"].shape[-1])
+    return jnp.concatenate([qk, p["vo_bank"][2 * a]]), p["vo_bank"][2 * a + 1]
+
+
+def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, attention_impl: str = "xla"):
+    """The network up to the final norm for one sequence (int32 (T,), T a multiple of 128).
+    `a`: runtime schedule values (see schedule_values). mlp_scales: None (bf16 MLP) or the FP8
+    down projection's (weight scales (12,), activation scales (12,)) of this micro-batch slot.
+    Returns the normed hidden states (T, D) bf16 and the post-activation amax per layer (11,)."""
+    T = inputs_T.shape[0]
+    D = p["embed.weight"].shape[1]
+    H, K = NUM_HEADS, D // NUM_HEADS
+    scalars = p["scalars"]
+    # fp32 scalars meeting bf16 activations are rounded to bf16 first (torch's type promotion: the
+    # compiled record converts them, eager CPU torch too); resid/post lambdas are cast explicitly
+    sa_lambdas = f32(scalars[:2 * NUM_LAYERS].reshape(NUM_LAYERS, 2).astype(BF16))
+    smear_lambda = f32(scalars[2 * NUM_LAYERS].astype(BF16))
+    skip_scale = f32(jax.nn.sigmoid(scalars[2 * NUM_LAYERS + 1]).astype(BF16))
+    resid = p["resid_lambdas"].astype(BF16)
+    post = p["post_lambdas"].astype(BF16)
+    gate_scale = f32(p["_mudd_gate_scale"].astype(BF16))  # the reference casts it to the activations' dtype
+    V = p["embed.weight"].shape[0]
+
+    x = p["embed.weight"][inputs_T]
+    signs = p["bigram_sign_table"][jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.mod(
+        jnp.bitwise_xor(inputs_T[:-1], inputs_T[1:]), p["bigram_sign_table"].shape[0])])]
+    x0_bigram = p["bigram_embed.weight"][bigram_hash(inputs_T, p["bigram_embed.weight"].shape[0])] * signs
+    ve = p["value_embeds"].reshape(len(VE_LAYERS), V, D)[:, inputs_T]
+
+    # smear: each token takes a gated share of the previous token's embedding
+    smear = smear_lambda * jax.nn.sigmoid(f32(linear(x[1:, :SMEAR_DIMS], p["smear_gate.weight"])))
+    x = jnp.concatenate([x[:1], (f32(x[1:]) + smear * f32(x[:-1])).astype(BF16)])
+    x = x0 = rms_norm(x)
+
+    pre = mudd(x0, p["mudd_gate_w1"][0], p["mudd_gate_w2"][0, :PRE_GATE], p["mudd_gate_b2"][0, :PRE_GATE], gate_scale)
+    xsa = {1: pre[:, 0:6], 3: pre[:, 6:12]}
+    gates = {3: pre[:, 12:18]}
+    x0_gate = {l: pre[:, 18 + 2 * j:19 + 2 * j] for j, l in enumerate(PRE_INJECT_LAYERS)}
+    bigram_gate = {l: pre[:, 19 + 2 * j:20 + 2 * j] for j, l in enumerate(PRE_INJECT_LAYERS)}
+
+    def inject(x_TxD, coef_Tx1):  # bigram embedding into the residual stream
+        return (f32(x_TxD) + f32(x0_bigram) * f32(coef_Tx1)).astype(BF16)
+
+    x = inject(x0, bigram_gate[0])
+    cache = {0: x}
+    amaxes = []
+    for i in range(NUM_LAYERS):
+        mu = None
+        if i == 4:
+            g = mudd(x, p["mudd_gate_w1"][1], p["mudd_gate_w2"][1], p["mudd_gate_b2"][1], gate_scale)
+            xsa.update({4: g[:, 0:6], 7: g[:, 6:12]})
+            gates[10] = g[:, 12:18]
+            x0_gate.update({l: g[:, 18 + 2 * j:19 + 2 * j] for j, l in enumerate(POST_INJECT_LAYERS)})
+            bigram_gate.update({l: g[:, 19 + 2 * j:20 + 2 * j] for j, l in enumerate(POST_INJECT_LAYERS)})
+            skip_gate, dc_w = g[:, 28:29], (g[:, 29:35], g[:, 35:41])
+        if i == SKIP_TO:  # no attention: the skip from layer 3
+            x = (f32(x) + skip_scale * f32(skip_gate) * f32(cache[SKIP_FROM])).astype(BF16)
+        else:
+            attn_in = rms_norm(cache.get(7, x))
+            aux_v = None
+            if i == NUM_LAYERS - 1:  # MUDD at the last layer: V and the residual mix earlier streams
+                cache[9] = x
+                mu = mudd(x, p["mudd_w1"][0], p["mudd_w2"][0], p["mudd_b2"][0], MUDD_SCALE)
+                m = [f32(mu[:, j:j + 1]) for j in range(MUDD_LAYER10)]
+                c0, c7, x32 = f32(cache[0]), f32(cache[7]), f32(x)
+                v_mudd = (m[0] * c0 + m[1] * c7 + m[2] * x32).astype(BF16)
+                x = ((1 + m[5]) * x32 + m[3] * c0 + m[4] * c7).astype(BF16)
+                ve_gate = jnp.repeat(mu[:, 6:8], H // 2, axis=-1)[..., None]  # heads 0-2, 3-5
+                aux_v = (f32(ve_gate) * f32(ve[4].reshape(T, H, K)) + f32(v_mudd).reshape(T, H, K)).astype(BF16)
+            elif i in VE_LAYERS:
+                ve_i = ve[VE_LAYERS.index(i)]
+                gate_in = jnp.concatenate([attn_in[:, :VE_GATE_DIMS], ve_i[:, :VE_GATE_DIMS]], -1)
+                ve_gate = 2 * jax.nn.sigmoid(f32(linear(gate_in, p["ve_gate_bank"][VE_LAYERS.index(i)])))
+                aux_v = (ve_gate[..., None] * f32(ve_i.reshape(T, H, K))).astype(BF16)
+            w_qkv, w_o = layer_weights(p, i)
+            y = attention(attn_in, w_qkv, w_o, sa_lambdas[i], a, i, aux_v, xsa.get(i), gates.get(i),
+                          dc_w if i == DC_LAYER else None, ATTENTION[attention_impl])
+            if mu is not None:
+                x = (m[8] * f32(x) + m[9] * f32(y) + m[10] * f32(cache[0])).astype(BF16)
+                x = inject(x, mu[:, 11:12])
+            else:
+                x = (f32(resid[i, 0]) * f32(x) + f32(post[i, 0]) * f32(y) + f32(x0) * f32(x0_gate[i])).astype(BF16)
+                if i != 0:
+                    x = inject(x, bigram_gate[i])
+        normed = rms_norm(x)
+        w1, w2 = p["mlp_bank"][i, 0], p["mlp_bank"][i, 1]
+        if mlp_scales is None:
+            h = mlp_bf16(normed, w1, w2)
+        else:
+            h, amax = mlp_fp8(normed, w1, w2, mlp_scales[0][i], mlp_scales[1][i], a["valid"])
+            amaxes.append(amax)
+        if mu is not None:
+            x = (m[12] * f32(x) + m[13] * f32(h)).astype(BF16)
+        else:
+            x = (f32(resid[i, 1]) * f32(x) + f32(post[i, 1]) * f32(h)).astype(BF16)
+        if i in (3, 7):
+            cache[i] = x
+
+    mu = mudd(x, p["mudd_w1"][1], p["mudd_w2"][1, :MUDD_FINAL], p["mudd_b2"][1, :MUDD_FINAL], MUDD_SCALE)
+    m = [f32(mu[:, j:j + 1]) for j in range(MUDD_FINAL)]
+    x = (f32(x) + m[0] * f32(cache[0]) + m[1] * f32(cache[7]) + m[2] * f32(cache[9]) + m[3] * f32(ve[0])
+         + m[4] * f32(cache[3])).astype(BF16)
+    amax = jnp.stack(amaxes) if amaxes else jnp.zeros(NUM_LAYERS, F32)
+    return rms_norm(x), jax.lax.stop_gradient(amax)
+
+
+# --- losses ------------------------------------------------------------------------
+# Training: the reference's fused FP8 head + softcapped cross-entropy. Logits u = x·W through e4m3
+# operands (bf16 out), z = 23·bf16(sigmoid((u + 5)/7.5)); each position's loss is Σ_k w_k·(lse - z[t_{i+k}])
+# over the multi-token targets inside the sequence plus w_p·(lse - z[prefix(t_i)]) where the target
+# has a prefix token. Its gradient is built in the forward (as the kernel does: normaliser Σ_k w_k over
+# every MTP weight, e5m2 with saturation) for backward from sum(losses) x grad scale (1, the 8-GPU
+# run's). Rows run in chunks so the (T, V) fp32 logits never exist at once.
+
+LOSS_CHUNK = 4096
+E5M2_MAX = 57344.0
+
+
+def _loss_targets(targets_T, mtp_w, prefix_T, prefix_w, V):
+    """(columns (T, P), weights (T, P), weight sum (T,)): the MTP targets t_{i+k} (dropped past the end
+    and outside the vocabulary) and the prefix target, P = len(mtp_w) + 1."""
+    cols, ws = [], []
+    for k in range(mtp_w.shape[0]):
+        t = jnp.concatenate([targets_T[k:], jnp.full(k, -1, targets_T.dtype)])
+        ok = (t >= 0) & (t < V)
+        cols.append(jnp.where(ok, t, 0))
+        ws.append(jnp.where(ok, mtp_w[k], 0.0))
+    ok = (prefix_T >= 0) & (prefix_T < V)
+    cols.append(jnp.where(ok, prefix_T, 0))
+    ws.append(jnp.where(ok, prefix_w, 0.0))
+    total = jnp.sum(mtp_w) + jnp.where(ok, prefix_w, 0.0)  # every MTP weight counts, as in the kernel
+    total = jnp.where(targets_T >= 0, total, 0.0)  # padding (target -1) has no loss and no gradient
+    return jnp.stack(cols, 1).astype(jnp.int32), jnp.stack(ws, 1).astype(F32), total.astype(F32)
+
+
+def _chunks(n, *arrays):
+    c = math.gcd(n, LOSS_CHUNK)
+    return [x.reshape(n // c, c, *x.shape[1:]) for x in arrays]
+
+
+def _fp8_logits(x_f8, w_f8):
+    s = np.float32(LM_HEAD_X_S) * np.float32(LM_HEAD_W_S)
+    return (fp8_dot(x_f8, w_f8, ((1,), (0,))) * s).astype(BF16)
+
+
+def _softcap_sig(u):
+    inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
+    return jax.nn.sigmoid(f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c).astype(BF16)
+
+
+def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
+    T, V = x_TxD.shape[0], w_DxV.shape[1]
+    x_f8 = (f32(x_TxD) / np.float32(LM_HEAD_X_S)).astype(E4M3)
+    w_f8 = (f32(w_DxV) / np.float32(LM_HEAD_W_S)).astype(E4M3)
+    coef = np.float32(1.0) * (np.float32(1.0) / np.float32(SOFTCAP_C) * np.float32(SOFTCAP_A)) * (
+        np.float32(1.0) / np.float32(LM_HEAD_GRAD_S))
+
+    def chunk(args):
+        x8, cols, ws, total = args
+        sig = f32(_softcap_sig(_fp8_logits(x8, w_f8)))
+        z = np.float32(SOFTCAP_A) * sig
+        lse = jax.nn.logsumexp(z, axis=-1)
+        zt = jnp.take_along_axis(z, cols, axis=1)
+        losses = jnp.sum(ws * (lse[:, None] - zt), axis=1)
+        rows = jnp.arange(cols.shape[0])[:, None]
+        grad_z = (total[:, None] * jnp.exp(z - lse[:, None])).at[rows, cols].add(-ws)
+        g = coef * grad_z * sig * (1 - sig)
+        return losses, jnp.clip(g, -E5M2_MAX, E5M2_MAX).astype(E5M2)
+
+    parts = _chunks(T, x_f8, cols_TxP, ws_TxP, total_T)
+    losses, g = jax.lax.map(chunk, tuple(parts))
+    return losses.reshape(T), g.reshape(T, V), x_f8, w_f8
+
+
+@jax.custom_vjp
+def train_head_loss(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
+    """(sum of per-token losses, per-token losses) of the fused FP8 head; differentiate the sum."""
+    losses = _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T)[0]
+    return jnp.sum(losses), losses
+
+
+def _train_head_vjp_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
+    losses, g, x_f8, w_f8 = _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T)
+    return (jnp.sum(losses), losses), (g, x_f8, w_f8)
+
+
+def _train_head_vjp_bwd(res, ct):
+    g, x_f8, w_f8 = res
+    ct_sum = ct[0]  # the per-token losses are for logging: their cotangent is ignored
+    gs = np.float32(LM_HEAD_GRAD_S)
+    dx = (fp8_dot(g, w_f8, ((1,), (1,))) * (gs * np.float32(LM_HEAD_W_S)) * ct_sum).astype(BF16)
+    dw = fp8_dot(x_f8, g, ((0,), (0,))) * (np.float32(LM_HEAD_X_S) * gs) * ct_sum
+    return dx, dw.astype(BF16), None, None, None
+
+
+train_head_loss.defvjp(_train_head_vjp_fwd, _train_head_vjp_bwd)
+
+
+def eval_head_loss(x_TxD, w_DxV, targets_T):
+    """Validation: the bf16 head, the softcap in fp32, plain cross-entropy per token."""
+    T = x_TxD.shape[0]
+
+    def chunk(args):
+        x, t = args
+        z = SOFTCAP_A * jax.nn.sigmoid((f32(linear(x, w_DxV.T)) + SOFTCAP_B) / SOFTCAP_C)
+        return jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, t[:, None], axis=1)[:, 0]
+
+    parts = _chunks(T, x_TxD, targets_T)
+    return jax.lax.map(chunk, tuple(parts)).reshape(T)
+
+
+def gpt2_vocab() -> str:
+    """data/gpt2.tiktoken (GPT-2's token ranks, shipped with the repository) next to this script, or in
+    the current folder (a copy of the script elsewhere, run from the repository)."""
+    places = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken"),
+              os.path.join(os.getcwd(), "data", "gpt2.tiktoken")]
+    for path in places:
+        if os.path.isfile(path):
+            return path
+    raise DataError(f"the GPT-2 vocabulary (for the prefix-token loss) is not at {' nor '.join(places)}: run from the "
+                    f"repository's folder, or copy its data/gpt2.tiktoken next to the script's data/")
+
+
+def prefix_table(V: int) -> np.ndarray:
+    """Each token's prefix token: the longest proper prefix of its bytes that is itself a GPT-2 token
+    (-1: none, or not below V). Built from the GPT-2 ranks file shipped in data/."""
+    import tiktoken.load
+    ranks = tiktoken.load.load_tiktoken_bpe(gpt2_vocab())
+    table = np.full(V, -1, np.int32)
+    for b, t in ranks.items():
+        if t < V:
+            n = next((n for n in range(len(b) - 1, 0, -1) if b[:n] in ranks), 0)
+            if n and ranks[b[:n]] < V:
+                table[t] = ranks[b[:n]]
+    return table
+
+
+def schedule_values(step: int, hp: Hyperparameters, final_val: bool = False) -> dict:
+    """The runtime values of the forward at a step: windows (tokens), YaRN frequencies and softmax
+    scale, MTP and prefix weights, the BOS id. Arrays of fixed shape per stage, so one program serves a stage."""
+    freq, scale = yarn_state(step, hp)
+    short, long = windows(step, hp, final_val)
+    mtp, pw = loss_weights(step, hp)
+    return {"window_short": jnp.int32(short), "window_long": jnp.int32(long), "freq": jnp.asarray(freq),
+            "scale": jnp.float32(scale), "mtp": jnp.asarray(mtp), "prefix_w": jnp.float32(pw),
+            "bos": jnp.int32(hp.bos_id)}
+
+
+def fp8_mlp_scales(params: dict, step: int, hp: Hyperparameters, slot: int = 0):
+    """(weight scales, activation scales) of the FP8 down projections at a step, from the state
+    buffers in params (the bootstrap re-measures the weight scales)."""
+    w = down_weight_scales(params["mlp_bank"], step <= hp.fp8_bootstrap_steps, params["_mlp_down_proj_next_scales"])
+    act = params["_mlp_down_act_scales"]
+    return w, act[slot] if act.ndim == 2 else act
+
+
+def sequence_loss(p: dict, inputs_T, targets_T, a: dict, training: bool, mlp_scales=None, prefix_T=None,
+                  attention_impl: str = "xla"):
+    """Per-token losses of one sequence (and the sum backward starts from, and the MLP amaxes).
+    Targets < 0 mark padding (loss_fn's): no loss, and left out of the FP8 amaxes."""
+    a = {**a, "docs": jnp.cumsum(inputs_T == a["bos"], dtype=jnp.int32),  # a BOS opens a document
+         "positions": jnp.arange(inputs_T.shape[0], dtype=F32), "valid": targets_T >= 0}
+    h, amax = gpt_hidden(p, inputs_T, a, training, mlp_scales, attention_impl)
+    if not training:
+        losses = eval_head_loss(h, p["lm_head.weight"], targets_T)
+        return jnp.sum(losses), losses, amax
+    cols, ws, total = _loss_targets(targets_T, a["mtp"], prefix_T, a["prefix_w"], p["lm_head.weight"].shape[1])
+    loss_sum, losses = train_head_loss(h, p["lm_head.weight"], cols, ws, total)
+    return loss_sum, jax.lax.stop_gradient(losses), amax
+
+
+def loss_fn(params: dict, tokens, hp: Hyperparameters, step: int, training: bool = True, final_val: bool = False):
+    """Per-token losses of one flat token array (inputs tokens[:-1], targets tokens[1:]) at schedule
+    step `step`, as ref89's `loss --out` saves them: training with FP8 (MLP and head, the state buffers
+    in params), MTP and prefix terms; or validation (training=False)."""
+    inputs, targets, T = padded_sequence(tokens, hp.bos_id)
+    a = schedule_values(step, hp, final_val)
+    if not training:
+        return _jit_sequence_loss(params, inputs, targets, a, False)[1][:T]
+    return _jit_sequence_loss(params, inputs, targets, a, True, *training_inputs(params, targets, step, hp))[1][:T]
+
+
+def training_inputs(params: dict, targets_T, step: int, hp: Hyperparameters) -> tuple:
+    """What a training forward of the check API takes besides the schedule: the FP8 down projections'
+    scales at the step, and the targets' prefix tokens."""
+    return fp8_mlp_scales(params, step, hp), prefix_targets(jnp.asarray(prefix_table(hp.padded_vocab)), targets_T)
+
+
+def prefix_targets(table_V, targets_T):
+    """Each target's prefix token (-1: none, and for padding)."""
+    return jnp.where(targets_T >= 0, table_V[jnp.maximum(targets_T, 0)], -1)
+
+
+def padded_sequence(tokens, bos: int) -> tuple:
+    """(inputs, targets, T) of a flat token array, padded to a multiple of 128 positions (attention's
+    block): padding comes after the sequence, so causal attention never sees it, and its targets are -1."""
+    tokens = np.asarray(tokens, np.int32)
+    T = tokens.size - 1
+    pad = -T % BLOCK
+    inputs = np.concatenate([tokens[:-1], np.full(pad, bos, np.int32)])
+    targets = np.concatenate([tokens[1:], np.full(pad, -1, np.int32)])
+    return jnp.asarray(inputs), jnp.asarray(targets), T
+
+
+_jit_sequence_loss = jax.jit(sequence_loss, static_argnums=4)
+
+
+# --- weights interop: ref89's npz (float32 arrays by the reference's parameter and buffer names) ---
+
+
+def load_weights(path: str, hp: Hyperparameters) -> dict:
+    """Parameters and state buffers from an npz as ref89's `init` writes it. bigram_sign_table is
+    required; without the FP8 scale buffers the activation scales start at 1.0 and the weight scales
+    are re-measured (the state of step 0)."""
+    expected = {**param_shapes(hp), **buffer_shapes(hp)}
+    try:
+        with np.load(path) as f:
+            arrays = dict(f)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"cannot read weights {os.path.abspath(path)} ({type(e).__name__}: {e}): pass an .npz "
+                        f"written by --save-weights or by ref89.py init") from None
+    optional = {"_mlp_down_act_scales", "_mlp_down_proj_scales", "_mlp_down_proj_next_scales"}
+    missing = sorted(set(expected) - set(arrays) - optional)
+    wrong = [f"{k}: file {arrays[k].shape}, model {expected[k][0]}" for k in expected
+             if k in arrays and arrays[k].shape != tuple(expected[k][0])]
+    if missing or wrong:
+        raise DataError(f"{os.path.abspath(path)} does not fit the model of these hyperparameters: missing "
+                        f"{missing}, wrong shapes {wrong}")
+    out = {k: jnp.asarray(arrays[k] if k in arrays else np.ones(shape, np.float32), dtype=dtype)
+           for k, (shape, dtype) in expected.items()}
+    if "_mlp_down_proj_next_scales" not in arrays:  # no delayed scale to use: re-measure at the next step
+        out["_mlp_down_proj_next_scales"] = jnp.full_like(out["_mlp_down_proj_next_scales"], jnp.nan)
+    return out
+
+
+def save_weights(weights: dict, path: str) -> None:
+    """ref89's npz format, written under a temporary name and renamed (PATH is the old file or the new one)."""
+    arrays = {k: np.asarray(jax.device_get(v)).astype(np.float32) for k, v in weights.items()}
+    tmp = path + ".tmp.npz"
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def train_grads(params: dict, tokens, hp: Hyperparameters, step: int) -> tuple:
+    """(gradients of sum(per-token losses) x grad scale by parameter name, that loss) for one flat token
+    array at schedule step `step` in training mode, as ref89's `grads` computes them."""
+    inputs, targets, _ = padded_sequence(tokens, hp.bos_id)
+    names = list(param_shapes(hp))
+    return _jit_grads({k: params[k] for k in names}, {k: v for k, v in params.items() if k not in names},
+                      inputs, targets, schedule_values(step, hp), *training_inputs(params, targets, step, hp))
+
+
+@jax.jit
+def _jit_grads(trainable, buffers, inputs, targets, a, scales, prefix):
+    def loss(trainable):
+        return sequence_loss({**buffers, **trainable}, inputs, targets, a, True, scales, prefix)[0]
+
+    value, grads = jax.value_and_grad(loss)(trainable)
+    return grads, value
+
+
+# --- attention as fused Pallas kernels (Triton on GPUs) ---------------------------------
+# window_attention's rule and numerics (same arguments, result and gradients), fused: record 20's
+# kernels with the token-level window and the runtime softmax scale of record 89.
+# Grid (query block n of BLOCK tokens, head h). XLA turns (W, docs) into two int32 tables, so one
+# compiled kernel serves every window and stage:
 #   lo_N[n] = first key block query block n sees, hi_N[j] = last query block that sees key block j.
-# Both also drop the blocks a document boundary masks entirely (as FlexAttention's block mask does)
-# and test the same two conditions, so the forward and dq kernels (key blocks lo_N[n]..n) and the
-# dk/dv kernel (query blocks j..hi_N[j]) visit the same block pairs; the token mask does the rest.
-# k, v (q, dout for dk/dv) stay whole-sequence refs in HBM; a loop step loads `tile` rows of them.
-# Off GPU the same kernels run in Pallas interpret mode: exact, slow, for tests.
+# Both drop the blocks that the window or a document boundary masks entirely (as FlexAttention's block
+# mask does) and test the same two conditions, so the forward and dq kernels (key blocks lo_N[n]..n)
+# and the dk/dv kernel (query blocks j..hi_N[j]) visit the same block pairs. Inside a visited pair the
+# token mask (0 <= i - j <= W, same document) decides, with W and the scale read from one-element
+# arrays: they stay runtime values. k, v (q, dout for dk/dv) stay whole-sequence refs in HBM; a loop
+# step loads `tile` rows of them. Off GPU the same kernels run in Pallas interpret mode: exact, slow.
+
+
+# jax 0.11 imports pallas.fuser when it first lowers an interpret-mode kernel (off GPU), which registers
+# a config state: the trace context changes and the next call of every jitted function traces and
+# compiles again. Imported up front, nothing changes.
 
 LOG2_E = math.log2(math.e)  # scores are kept in log2 units: exp2 is one GPU instruction, exp is several
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked row never computes inf - inf
@@ -354,26 +1135,37 @@ class KernelTuning:
             raise ValueError(f"KernelTuning tile {self.tile}: use 16, 32, 64 or 128")
 
 
-# Starting points, not yet tuned on a GPU. At 8 warps an fp32 128 x 128 tile is 64 registers per
-# thread: the forward holds its accumulator and 128 x tile scores (tile 128, 8 warps: jax's mha
-# forward defaults); dq holds one and dk/dv two 128 x 128 accumulators, so their tiles are halved.
-# Two stages of the forward's k and v tiles take 128 KB of the H100's 227 KB shared memory.
+# Record 20's starting points, not yet tuned on a GPU. At 8 warps an fp32 128 x 128 tile is 64 registers
+# per thread: the forward holds its accumulator and 128 x tile scores; dq holds one and dk/dv two
+# 128 x 128 accumulators, so their tiles are halved.
 PALLAS_FWD = KernelTuning(tile=128, num_warps=8, num_stages=2)
 PALLAS_DQ = KernelTuning(tile=64, num_warps=8, num_stages=2)
 PALLAS_DKV = KernelTuning(tile=64, num_warps=8, num_stages=2)
 
 
+def _runtime_rule(window, scale, T):
+    """The window clipped to [0, T] (a wider one sees the same keys; int32 stays far from overflow) and
+    the scale, as the one-element arrays the kernels read."""
+    window_1 = jnp.clip(jnp.asarray(window, jnp.int32), 0, T).reshape(1)
+    return window_1, jnp.asarray(scale, F32).reshape(1)
+
+
 def _block_tables(docs_T, window):
-    """(lo_N, hi_N) int32. Key block j meets query block n >= j iff n - j < W and they share a document,
-    which for nondecreasing docs is last doc of block j >= first doc of block n."""
+    """(lo_N, hi_N) int32 for a window already clipped to [0, T]. Blocks n >= j hold a pair at distance
+    <= W iff (n - j)·BLOCK - (BLOCK - 1) <= W. With nondecreasing docs (cumsum of BOS, also repeated
+    for the paired heads) they share a document iff the last doc of block j >= the first of block n,
+    and that nearest pair is then visible; other docs skip by the window only."""
     N = docs_T.shape[0] // BLOCK
     docs_NxB = docs_T.reshape(N, BLOCK)
     first_N, last_N = docs_NxB[:, 0], docs_NxB[:, -1]
     n_N = jnp.arange(N, dtype=jnp.int32)
-    w = jnp.clip(window, 1, N).astype(jnp.int32)
+    reach = (window + BLOCK - 1) // BLOCK  # key blocks back from the diagonal
+    sorted_docs = jnp.all(docs_T[1:] >= docs_T[:-1])
     lo_doc_N = jnp.searchsorted(last_N, first_N, side="left", method="compare_all")
     hi_doc_N = jnp.searchsorted(first_N, last_N, side="right", method="compare_all") - 1
-    return jnp.maximum(n_N - w + 1, lo_doc_N).astype(jnp.int32), jnp.minimum(n_N + w - 1, hi_doc_N).astype(jnp.int32)
+    lo_N = jnp.maximum(n_N - reach, jnp.where(sorted_docs, lo_doc_N, 0))
+    hi_N = jnp.minimum(n_N + reach, jnp.where(sorted_docs, hi_doc_N, N - 1))
+    return lo_N.astype(jnp.int32), hi_N.astype(jnp.int32)
 
 
 def _dot_nt(a, b):  # a @ b.T, fp32 accumulation
@@ -384,13 +1176,14 @@ def _dot_nn(a, b):  # a @ b, fp32 accumulation
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
 
 
-def _visible(q_pos, q_docs, k_pos, k_docs):
-    # inside a visited block pair the window holds already (tables); causal and same document remain
-    return (q_pos >= k_pos) & (q_docs == k_docs)
+def _visible(q_pos, q_docs, k_pos, k_docs, window):
+    distance = q_pos - k_pos
+    return (distance >= 0) & (distance <= window) & (q_docs == k_docs)
 
 
-def _fwd_kernel(lo_ref, docs_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, tile):
+def _fwd_kernel(lo_ref, window_ref, scale_ref, docs_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, tile):
     n = pl.program_id(0)
+    window, scale_log2 = window_ref[0], scale_ref[0] * LOG2_E
     q_BxK = q_ref[...]
     q_pos_B = n * BLOCK + jnp.arange(BLOCK)
     q_docs_B = docs_ref[pl.ds(pl.multiple_of(n * BLOCK, BLOCK), BLOCK)]
@@ -399,9 +1192,9 @@ def _fwd_kernel(lo_ref, docs_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, tile
         acc_BxK, m_B, l_B = carry
         k_start = pl.multiple_of((n + 1) * BLOCK - (i + 1) * tile, tile)
         ks = pl.ds(k_start, tile)
-        s_BxJ = _dot_nt(q_BxK, k_ref[ks, :]) * (ATTN_SCALE * LOG2_E)
+        s_BxJ = _dot_nt(q_BxK, k_ref[ks, :]) * scale_log2
         k_pos_J = k_start + jnp.arange(tile)
-        visible = _visible(q_pos_B[:, None], q_docs_B[:, None], k_pos_J[None, :], docs_ref[ks][None, :])
+        visible = _visible(q_pos_B[:, None], q_docs_B[:, None], k_pos_J[None, :], docs_ref[ks][None, :], window)
         s_BxJ = jnp.where(visible, s_BxJ, MASK_VALUE)
         m_new_B = jnp.maximum(m_B, s_BxJ.max(axis=1))
         p_BxJ = jnp.exp2(s_BxJ - m_new_B[:, None])
@@ -416,8 +1209,10 @@ def _fwd_kernel(lo_ref, docs_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, tile
     lse_ref[...] = m_B / LOG2_E + jnp.log(l_B)
 
 
-def _dq_kernel(lo_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq_ref, *, tile):
+def _dq_kernel(lo_ref, window_ref, scale_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq_ref,
+               *, tile):
     n = pl.program_id(0)
+    window, scale = window_ref[0], scale_ref[0]
     q_BxK, dout_BxK = q_ref[...], dout_ref[...]
     lse_B, delta_B = lse_ref[...] * LOG2_E, delta_ref[...]
     q_pos_B = n * BLOCK + jnp.arange(BLOCK)
@@ -428,20 +1223,22 @@ def _dq_kernel(lo_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_r
         k_start = pl.multiple_of(lo * BLOCK + i * tile, tile)
         ks = pl.ds(k_start, tile)
         k_JxK = k_ref[ks, :]
-        s_BxJ = _dot_nt(q_BxK, k_JxK) * (ATTN_SCALE * LOG2_E)
+        s_BxJ = _dot_nt(q_BxK, k_JxK) * (scale * LOG2_E)
         k_pos_J = k_start + jnp.arange(tile)
-        visible = _visible(q_pos_B[:, None], q_docs_B[:, None], k_pos_J[None, :], docs_ref[ks][None, :])
+        visible = _visible(q_pos_B[:, None], q_docs_B[:, None], k_pos_J[None, :], docs_ref[ks][None, :], window)
         p_BxJ = jnp.where(visible, jnp.exp2(s_BxJ - lse_B[:, None]), 0.0)
-        ds_BxJ = p_BxJ * (_dot_nt(dout_BxK, v_ref[ks, :]) - delta_B[:, None]) * ATTN_SCALE
+        ds_BxJ = p_BxJ * (_dot_nt(dout_BxK, v_ref[ks, :]) - delta_B[:, None]) * scale
         return dq_BxK + _dot_nn(ds_BxJ.astype(k_JxK.dtype), k_JxK)
 
     dq_BxK = jax.lax.fori_loop(0, (n - lo + 1) * (BLOCK // tile), step, jnp.zeros(q_BxK.shape, F32))
     dq_ref[...] = dq_BxK.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(hi_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, tile):
+def _dkv_kernel(hi_ref, window_ref, scale_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, *, tile):
     # works on transposed scores (keys x queries) so that every product is a @ b or a @ b.T
     j = pl.program_id(0)
+    window, scale = window_ref[0], scale_ref[0]
     k_BxK, v_BxK = k_ref[...], v_ref[...]
     k_pos_B = j * BLOCK + jnp.arange(BLOCK)
     k_docs_B = docs_ref[pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK)]
@@ -452,12 +1249,12 @@ def _dkv_kernel(hi_ref, docs_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_
         qs = pl.ds(q_start, tile)
         q_QxK, dout_QxK = q_ref[qs, :], dout_ref[qs, :]
         lse_Q, delta_Q = lse_ref[qs] * LOG2_E, delta_ref[qs]
-        s_BxQ = _dot_nt(k_BxK, q_QxK) * (ATTN_SCALE * LOG2_E)
+        s_BxQ = _dot_nt(k_BxK, q_QxK) * (scale * LOG2_E)
         q_pos_Q = q_start + jnp.arange(tile)
-        visible = _visible(q_pos_Q[None, :], docs_ref[qs][None, :], k_pos_B[:, None], k_docs_B[:, None])
+        visible = _visible(q_pos_Q[None, :], docs_ref[qs][None, :], k_pos_B[:, None], k_docs_B[:, None], window)
         p_BxQ = jnp.where(visible, jnp.exp2(s_BxQ - lse_Q[None, :]), 0.0)
         dv_BxK = dv_BxK + _dot_nn(p_BxQ.astype(dout_QxK.dtype), dout_QxK)
-        ds_BxQ = p_BxQ * (_dot_nt(v_BxK, dout_QxK) - delta_Q[None, :]) * ATTN_SCALE
+        ds_BxQ = p_BxQ * (_dot_nt(v_BxK, dout_QxK) - delta_Q[None, :]) * scale
         return dk_BxK + _dot_nn(ds_BxQ.astype(q_QxK.dtype), q_QxK), dv_BxK
 
     zeros = jnp.zeros(k_BxK.shape, F32)
@@ -478,15 +1275,17 @@ def _pallas(kernel, tuning, name, **call):
 
 
 def _pallas_specs(T, K):
-    """Block specs over the grid (n, h): tables, docs, block n of head h, all of head h, and the same
-    two for H x T rows (lse, delta)."""
+    """Block specs over the grid (n, h): the tables, window and scale, docs, block n of head h, all of
+    head h, and the same two for H x T rows (lse, delta)."""
     whole = lambda n, h: (0,)  # noqa: E731
-    return (pl.BlockSpec((T // BLOCK,), whole), pl.BlockSpec((T,), whole),
-            pl.BlockSpec((BLOCK, None, K), lambda n, h: (n, h, 0)), pl.BlockSpec((T, None, K), lambda n, h: (0, h, 0)),
+    rule = [pl.BlockSpec((T // BLOCK,), whole), pl.BlockSpec((1,), whole), pl.BlockSpec((1,), whole),
+            pl.BlockSpec((T,), whole)]
+    return (rule, pl.BlockSpec((BLOCK, None, K), lambda n, h: (n, h, 0)),
+            pl.BlockSpec((T, None, K), lambda n, h: (0, h, 0)),
             pl.BlockSpec((None, BLOCK), lambda n, h: (h, n)), pl.BlockSpec((None, T), lambda n, h: (h, 0)))
 
 
-def _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T):
+def _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
     T, H, K = q_TxHxK.shape
     problems = []
     if k_TxHxK.shape != q_TxHxK.shape or v_TxHxK.shape != q_TxHxK.shape:
@@ -497,365 +1296,326 @@ def _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T):
         problems.append(f"head dim {K}: Triton needs a power of two in 16..256")
     if docs_T.shape != (T,):
         problems.append(f"docs shape {docs_T.shape}: pass one document id per token, ({T},)")
+    if np.shape(window) != () or np.shape(scale) != ():
+        problems.append(f"window shape {np.shape(window)}, scale shape {np.shape(scale)}: pass scalars")
     if problems:
-        raise ValueError("pallas_attention: " + "; ".join(problems))
+        raise ValueError("pallas_window_attention: " + "; ".join(problems))
     return T, H, K
 
 
-def _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, tuning=PALLAS_FWD):
+def _pallas_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, tuning=PALLAS_FWD):
     """(out_TxHxK, lse_HxT). lse_HxT[h, t] = natural log of the softmax denominator of query t in head h
-    (fp32, head-major: the XLA path's N x H x B lse transposed to H x N x B, reshaped)."""
-    T, H, K = _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T)
-    lo_N, _ = _block_tables(docs_T, window)
-    table, docs, blk, seq, rows_blk, _ = _pallas_specs(T, K)
+    (fp32, head-major: window_attention's N x H x B lse transposed to H x N x B, reshaped)."""
+    T, H, K = _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale)
+    docs_T = docs_T.astype(jnp.int32)
+    window_1, scale_1 = _runtime_rule(window, scale, T)
+    lo_N, _ = _block_tables(docs_T, window_1[0])
+    rule, blk, seq, rows_blk, _ = _pallas_specs(T, K)
     out_shape = (jax.ShapeDtypeStruct.like(q_TxHxK), jax.ShapeDtypeStruct((H, T), F32))
     call = _pallas(_fwd_kernel, tuning, "attention_fwd", grid=(T // BLOCK, H), out_shape=out_shape,
-                   in_specs=[table, docs, blk, seq, seq], out_specs=(blk, rows_blk))
-    return call(lo_N, docs_T, q_TxHxK, k_TxHxK, v_TxHxK)
+                   in_specs=[*rule, blk, seq, seq], out_specs=(blk, rows_blk))
+    return call(lo_N, window_1, scale_1, docs_T, q_TxHxK, k_TxHxK, v_TxHxK)
 
 
-def _pallas_attention_backward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out_TxHxK, lse_HxT, dout_TxHxK,
-                               dq_tuning=PALLAS_DQ, dkv_tuning=PALLAS_DKV):
+def _pallas_backward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, out_TxHxK, lse_HxT, dout_TxHxK,
+                     dq_tuning=PALLAS_DQ, dkv_tuning=PALLAS_DKV):
     """(dq, dk, dv) from the saved lse; delta = rowsum(out * dout) is cheap in XLA."""
     T, H, K = q_TxHxK.shape
-    lo_N, hi_N = _block_tables(docs_T, window)
+    docs_T = docs_T.astype(jnp.int32)
+    window_1, scale_1 = _runtime_rule(window, scale, T)
+    lo_N, hi_N = _block_tables(docs_T, window_1[0])
     delta_HxT = jnp.einsum("thd,thd->ht", out_TxHxK.astype(F32), dout_TxHxK.astype(F32))
-    table, docs, blk, seq, rows_blk, rows_seq = _pallas_specs(T, K)
+    rule, blk, seq, rows_blk, rows_seq = _pallas_specs(T, K)
     like = jax.ShapeDtypeStruct.like
     dq = _pallas(_dq_kernel, dq_tuning, "attention_dq", grid=(T // BLOCK, H), out_shape=like(q_TxHxK),
-                 in_specs=[table, docs, blk, seq, seq, blk, rows_blk, rows_blk], out_specs=blk)
+                 in_specs=[*rule, blk, seq, seq, blk, rows_blk, rows_blk], out_specs=blk)
     dkv = _pallas(_dkv_kernel, dkv_tuning, "attention_dkv", grid=(T // BLOCK, H),
                   out_shape=(like(k_TxHxK), like(v_TxHxK)),
-                  in_specs=[table, docs, seq, blk, blk, seq, rows_seq, rows_seq], out_specs=(blk, blk))
-    args = (docs_T, q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK, lse_HxT, delta_HxT)
+                  in_specs=[*rule, seq, blk, blk, seq, rows_seq, rows_seq], out_specs=(blk, blk))
+    args = (window_1, scale_1, docs_T, q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK, lse_HxT, delta_HxT)
     return (dq(lo_N, *args), *dkv(hi_N, *args))
 
 
 @jax.custom_vjp
-def pallas_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
-    """block_sparse_attention as a Pallas kernel (same rule, arguments and result). docs_T must be
-    nondecreasing (as cumsum(tokens == EOT) is): the block tables rely on it."""
-    return _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)[0]
+def pallas_window_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
+    """window_attention as Pallas kernels: softmax(scale·q·kᵀ)·v over keys of the same document at most
+    `window` tokens back (same arguments, result and gradients; scale gets a zero cotangent). Blocks a
+    document boundary masks are skipped when docs_T is nondecreasing (cumsum of BOS), as in the model."""
+    return _pallas_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale)[0]
 
 
-def _pallas_attention_vjp_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window):
-    out, lse_HxT = _pallas_attention_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window)
-    return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, out, lse_HxT)
+def _pallas_vjp_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
+    out, lse_HxT = _pallas_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale)
+    return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, out, lse_HxT)
 
 
-def _pallas_attention_vjp_bwd(res, dout_TxHxK):
-    return (*_pallas_attention_backward(*res, dout_TxHxK), None, None)
+def _pallas_vjp_bwd(res, dout_TxHxK):
+    return (*_pallas_backward(*res, dout_TxHxK), None, None, jnp.zeros_like(res[5]))
 
 
-pallas_attention.defvjp(_pallas_attention_vjp_fwd, _pallas_attention_vjp_bwd)
+pallas_window_attention.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 
 
-ATTENTION = {"xla": block_sparse_attention, "pallas": pallas_attention}  # --attention: the same rule
-
-
-def causal_self_attention(params, i, x_TxD, ve_TxD, docs_T, window, cos, sin, attend):
-    T, D = x_TxD.shape
-    H = D // HEAD_DIM
-    qkv_w = params[f"blocks.{i}.attn.qkv_w"]  # (3, D, D): [W_q; W_k; W_v], each (out, in)
-    qkv_Tx3HxK = linear(x_TxD, qkv_w.reshape(3 * D, D)).reshape(T, 3 * H, HEAD_DIM)
-    q, k, v = jnp.split(qkv_Tx3HxK, 3, axis=1)
-    lambdas = params[f"blocks.{i}.attn.lambdas"]
-    v = mix((lambdas[0], v)) if ve_TxD is None else mix((lambdas[0], v), (lambdas[1], ve_TxD.reshape(T, H, HEAD_DIM)))
-    q, k = apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin)
-    y_TxHxK = attend(q, k, v, docs_T, window)
-    return linear(y_TxHxK.reshape(T, D), params[f"blocks.{i}.attn.c_proj.weight"])
-
-
-def mlp(params, i, x_TxD):
-    h = jax.nn.relu(linear(x_TxD, params[f"blocks.{i}.mlp.c_fc.weight"]))
-    return linear(h * h, params[f"blocks.{i}.mlp.c_proj.weight"])
-
-
-def num_layers_of(params) -> int:
-    return sum(name.endswith(".lambdas") and ".attn." not in name for name in params)
-
-
-def block(params, i, x, x0, ve, docs_T, window, cos, sin, attend):
-    """One transformer block: x0 mixing, attention (all blocks but one), ReLU² MLP."""
-    lambdas = params[f"blocks.{i}.lambdas"]
-    x = mix((lambdas[0], x), (lambdas[1], x0))
-    if has_attention(i, num_layers_of(params)):
-        x = x + causal_self_attention(params, i, rms_norm(x), ve, docs_T, window, cos, sin, attend)
-    return x + mlp(params, i, rms_norm(x))
-
-
-def gpt_hidden(params, inputs_T, window, attention: str = "xla", dtype=BF16):
-    """The transformer up to the final norm: token ids (T,) -> normed hidden states (T, D) in `dtype`
-    (bf16 as the reference; F32 runs the whole model in fp32, the yardstick of the numerics tests)."""
-    L = num_layers_of(params)
-    T = inputs_T.shape[0]
-    docs_T = jnp.cumsum(inputs_T == EOT, dtype=jnp.int32)  # a 50256 token opens its document
-    long_window = jnp.maximum(window, 1)
-    short_window = jnp.maximum(window // 2, 1)
-    cos, sin = rotary_cos_sin(T)
-    x0 = rms_norm(params["embed.weight"][inputs_T].astype(dtype))
-    ves = [params[f"value_embeds.embed.{k}.weight"][inputs_T].astype(dtype) for k in range(VALUE_EMBEDS)]
-    x, skips = x0, []
-    for i in range(L):
-        if i >= L // 2:  # decoder: add the mirrored encoder block's output (U-net)
-            x = mix((1.0, x), (params["skip_weights"][i - L // 2], skips.pop()))
-        ve_index = value_embed_index(i, L)
-        ve = None if ve_index is None else ves[ve_index]
-        layer_window = long_window if has_long_window(i, L) else short_window
-        x = block(params, i, x, x0, ve, docs_T, layer_window, cos, sin, ATTENTION[attention])
-        if i < L // 2:
-            skips.append(x)
-    return rms_norm(x)
-
-
-# FP8 lm_head (training only). Operands scaled into the e4m3 range (x·2, W·32); the backward
-# scales the logit gradient by 2^29 into e5m2. That scale assumes 65,536 tokens per loss (each
-# logit gradient is at most 1/T); for other T it is scaled by T/65,536 so e5m2 neither overflows
-# nor underflows (fp8_grad_scale).
-X_SCALE, W_SCALE = 2.0, 32.0
-
-
-def fp8_grad_scale(tokens_per_loss: int) -> float:
-    return 2.0**29 * tokens_per_loss / 65536
-
-
-def _fast_accum():
-    # Hopper's reduced-precision fp8 accumulation (use_fast_accum=True); CPU emulation has no such mode.
-    return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if jax.default_backend() == "gpu" else None
-
-
-def _fp8_dot(a, b, contract, precision=None):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=F32)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_head(x_TxD, w_VxD, grad_scale):
-    """z = x·Wᵀ through e4m3 operands, bf16 result."""
-    return _fp8_head_fwd(x_TxD, w_VxD, grad_scale)[0]
-
-
-def _fp8_head_fwd(x_TxD, w_VxD, grad_scale):
-    x8 = (x_TxD * X_SCALE).astype(jnp.float8_e4m3fn)
-    w8 = (w_VxD * W_SCALE).astype(jnp.float8_e4m3fn)
-    z = _fp8_dot(x8, w8, ((1,), (1,)), _fast_accum()) * (1 / (X_SCALE * W_SCALE))
-    return z.astype(BF16), (x8, w8)
-
-
-def _fp8_head_bwd(grad_scale, res, g_TxV):
-    x8, w8 = res
-    g8 = (g_TxV * grad_scale).astype(jnp.float8_e5m2)
-    dx = _fp8_dot(g8, w8, ((1,), (0,))) * (1 / (grad_scale * W_SCALE))
-    dw = _fp8_dot(g8, x8, ((0,), (0,))) * (1 / (grad_scale * X_SCALE))
-    return dx.astype(BF16), dw  # dW stays fp32, like the master weight
-
-
-fp8_head.defvjp(_fp8_head_fwd, _fp8_head_bwd)
-
-LOSS_CHUNK_TOKENS = 8192  # head + loss run over chunks so 64K x 50304 fp32 logits never coexist
-
-
-def head_loss(h_TxD, w_VxD, targets_T, use_fp8: bool):
-    """Mean cross-entropy of logits 30·sigmoid(z/7.5) (fp32) over all padded-vocab columns."""
-    T, D = h_TxD.shape
-    chunk = math.gcd(T, LOSS_CHUNK_TOKENS)
-    grad_scale = fp8_grad_scale(T)
-
-    @jax.checkpoint  # the backward recomputes one chunk's logits at a time
-    def chunk_loss(args):
-        h_CxD, t_C = args
-        z = fp8_head(h_CxD, w_VxD, grad_scale) if use_fp8 else linear(h_CxD, w_VxD)
-        logits = 30 * jax.nn.sigmoid(z.astype(F32) / 7.5)
-        picked = jnp.take_along_axis(logits, t_C[:, None], axis=-1)[:, 0]
-        return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
-
-    sums = jax.lax.map(chunk_loss, (h_TxD.reshape(-1, chunk, D), targets_T.reshape(-1, chunk)))
-    return jnp.sum(sums) / T
-
-
-def loss_fn(params, inputs_T, targets_T, window, training: bool, fp8: bool = True, attention: str = "xla",
-            dtype=BF16):
-    """Mean next-token loss of one sequence (int32 (T,), T a multiple of 128); window: the long
-    attention window in blocks. The FP8 head is a training-only path; evaluation (training=False)
-    always uses the plain bf16 head."""
-    h_TxD = gpt_hidden(params, inputs_T, window, attention, dtype)
-    return head_loss(h_TxD, params["lm_head.weight"], targets_T, use_fp8=training and fp8)
+ATTENTION = {"xla": window_attention, "pallas": pallas_window_attention}  # --attention: the same rule
 
 
 # -----------------------------------------------------------------------------
-# 3 Optimizer: Adam (optax) for the head, embeddings and scalars; hand-written Muon for the
-# matrices inside the blocks. One lr factor for every group; Muon momentum warms up.
+# 3 Optimizer
+
+# One row per parameter (the reference's TrainingManager.param_table). Adam's lr is hp.adam_lr x lr_mul,
+# NorMuon's hp.muon_lr x lr_mul x sqrt(max(1, rows/cols)) of its matrices x matrix_lr_muls (cycled
+# over the bank's matrices); both x the schedule's lr multiplier. wd_mul scales hp.adam_wd / hp.muon_wd.
+PARAM_TABLE = {
+    "qk_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0),
+    "vo_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0),
+    "mlp_bank":            dict(optim="normuon", lr_mul=1.0, wd_mul=1.0,
+                                matrix_lr_muls=(1.0, 2.0)),  # viewed as 24 matrices: c_fc, c_proj, c_fc, ...
+    "scalars":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
+    "smear_gate.weight":   dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
+    "ve_gate_bank":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=1.0, wd_mul=1.0),
+    "lm_head.weight":      dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
+    "bigram_embed.weight": dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
+    "post_lambdas":        dict(optim="adam", betas=(0.9, 0.95), lr_mul=1.0, wd_mul=0.0),
+    "resid_lambdas":       dict(optim="adam", betas=(0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
+    "value_embeds":        dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
+    "embed.weight":        dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
+    "mudd_w1":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
+    "mudd_w2":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
+    "mudd_b2":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=0.0),
+    "mudd_gate_w1":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=1.0),
+    "mudd_gate_w2":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=1.0),
+    "mudd_gate_b2":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+    "_mudd_gate_scale":    dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.1, wd_mul=0.0),
+}
+LM_HEAD, EMBED = "lm_head.weight", "embed.weight"
+
+# (a, b, c) of X <- a X + b (X X^T) X + c (X X^T)^2 X: 5 iterations, safety factor 2e-2, cushion 2.
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
 
 
-def lr_factor(step, hp: Hyperparameters):
-    """1.0, then linear down to final_lr_frac over the last cooldown_frac of training."""
-    w = jnp.minimum((1 - step / hp.num_iterations) / hp.cooldown_frac, 1.0)
-    return w + (1 - w) * hp.final_lr_frac
+def _mm(x, y):
+    """bf16 x @ y with fp32 accumulation (cuBLAS and the reference's Triton kernels), fp32 result."""
+    return jnp.matmul(x, y, preferred_element_type=F32)
 
 
-def muon_momentum(step, hp: Hyperparameters):
-    """0.85 -> 0.95 linearly over muon_momentum_warmup_steps, then 0.95 (0 steps: 0.95 from the start)."""
-    warmed = 1.0 if hp.muon_momentum_warmup_steps == 0 else jnp.minimum(step / hp.muon_momentum_warmup_steps, 1.0)
-    return 0.85 + 0.10 * warmed
+def _mT(x):
+    return jnp.swapaxes(x, -1, -2)
 
 
-def window_blocks(step: int, hp: Hyperparameters) -> int:
-    """Long attention window in 128-token blocks at a step: max(1, ceil(1728·s/N/128)); short = long // 2."""
-    return max(1, -(-hp.window_tokens * step // (hp.num_iterations * BLOCK)))
+def polar_express(G_NxRxC, split=None):
+    """Each matrix's approximate polar factor U V^T, in bf16 with the reference's roundings.
 
-
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
-
-
-def newton_schulz(G_SxOxI, steps: int = 5):
-    """Quintic Newton–Schulz in bf16 on a stack (S) of matrices: pushes each matrix's singular values into ~[0.5, 1.5]."""
-    a, b, c = NS_COEFFS
-    X = G_SxOxI.astype(BF16)
-    tall = X.shape[-2] > X.shape[-1]
-    if tall:
-        X = X.swapaxes(-2, -1)
-    norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(F32)), axis=(-2, -1), keepdims=True))
-    X = (X.astype(F32) / (norm + 1e-7)).astype(BF16)
-    # The reference's NS is torch.compile'd: inductor computes each elementwise chain in fp32 and rounds
-    # once where it stores (mix); its b·A + c·A @ A is b·A + (c·A) @ A by Python's precedence.
-    for _ in range(steps):
-        A = X @ X.swapaxes(-2, -1)
-        B = mix((b, A), (1.0, mix((c, A)) @ A))
-        X = mix((a, X), (1.0, B @ X))
-    return X.swapaxes(-2, -1) if tall else X
-
-
-def orthogonalize(updates: list, mesh=None) -> list:
-    """NS5 on every matrix of every update (qkv_w's Q, K, V separately), batched by shape.
-
-    Matrices are made wide (tall ones transposed), stacked by shape and, on a multi-device mesh,
-    sharded along the stack so each device orthogonalises its share; the result is replicated.
+    The input is scaled to spectral norm < 1 in fp32 and rounded once (the reference's g.bfloat16()
+    fuses into that division under inductor, so g itself is never rounded). Each iteration works on
+    the small Gram matrix: A = bf16(X X^T) (wide) or bf16(X^T X) (tall), B = bf16(c A A + b A), then
+    X = bf16(a X + B X) (or X B) in one fp32 epilogue, except for matrices of more than 1024 rows
+    (split=None decides), where the reference stores X B in bf16 before adding a X.
     """
-    n_dev = 1 if mesh is None else mesh.size
-    groups = {}  # wide shape -> list of (update index, matrix index, transposed, matrix)
-    for u_index, u in enumerate(updates):
-        for m_index, m in enumerate(u.reshape(-1, *u.shape[-2:])):
-            tall = m.shape[0] > m.shape[1]
-            mat = m.T if tall else m
-            groups.setdefault(mat.shape, []).append((u_index, m_index, tall, mat))
-    out = [[None] * (u.size // (u.shape[-2] * u.shape[-1])) for u in updates]
-    for items in groups.values():
-        stack = jnp.stack([mat for *_, mat in items])
-        pad = (-len(items)) % n_dev
-        if n_dev > 1:
-            stack = jnp.concatenate([stack, jnp.zeros((pad, *stack.shape[1:]), stack.dtype)])
-            stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(mesh.axis_names[0])))
-        ortho = newton_schulz(stack)
-        if n_dev > 1:
-            ortho = jax.lax.with_sharding_constraint(ortho, NamedSharding(mesh, P()))
-        for (u_index, m_index, tall, _), o in zip(items, ortho):
-            out[u_index][m_index] = o.T if tall else o
-    return [jnp.stack(mats).reshape(u.shape) for mats, u in zip(out, updates)]
+    rows, cols = G_NxRxC.shape[-2:]
+    tall = rows > cols
+    split = rows > 1024 if split is None else split
+    g = G_NxRxC.astype(F32)
+    norm = jnp.sqrt(jnp.sum(g * g, axis=(-2, -1), keepdims=True))
+    X = (g / (norm * np.float32(1.02) + np.float32(1e-6))).astype(BF16)
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = (_mm(_mT(X), X) if tall else _mm(X, _mT(X))).astype(BF16)
+        B = (_mm(A, _mT(A)) * np.float32(c) + A.astype(F32) * np.float32(b)).astype(BF16)
+        XB = _mm(X, B) if tall else _mm(B, X)
+        if split:
+            XB = XB.astype(BF16).astype(F32)
+        X = (XB + np.float32(a) * X.astype(F32)).astype(BF16)
+    return X
 
 
-def muon(learning_rate, momentum, mesh=None) -> optax.GradientTransformation:
-    """Muon: fp32 momentum, Nesterov, NS5-orthogonalised update scaled by sqrt(max(1, rows/cols)).
-
-    learning_rate(step) and momentum(step) are schedules of the 0-based step count.
-    """
-
-    def init(params):
-        return {"count": jnp.zeros((), jnp.int32), "momentum": jax.tree.map(lambda p: jnp.zeros_like(p, F32), params)}
-
-    def update(grads, state, params=None):
-        step = state["count"]
-        m = momentum(step)
-        buf = jax.tree.map(lambda b, g: m * b + (1 - m) * g.astype(F32), state["momentum"], grads)
-        nesterov = jax.tree.map(lambda b, g: (1 - m) * g.astype(F32) + m * b, buf, grads)
-        leaves, treedef = jax.tree.flatten(nesterov)
-        lr = learning_rate(step)
-        updates = [
-            -lr * max(1.0, u.shape[-2] / u.shape[-1]) ** 0.5 * o.astype(F32)
-            for u, o in zip(leaves, orthogonalize(leaves, mesh))
-        ]
-        return jax.tree.unflatten(treedef, updates), {"count": step + 1, "momentum": buf}
-
-    return optax.GradientTransformation(init, update)
+def nesterov(g_NxRxC, buf_NxRxC, momentum):
+    """(update, new buffer) in fp32: buf <- lerp(buf, g, 1 - m), update = lerp(g, buf, m), with torch's
+    lerp formulas (weight w < 0.5: a + w (b - a); else b + (w - 1)(b - a))."""
+    buf = buf_NxRxC + (1 - momentum) * (g_NxRxC - buf_NxRxC)
+    return buf + (momentum - 1) * (buf - g_NxRxC), buf
 
 
-def fp32_math(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Run `inner` in fp32 and store its state back in the state's own dtype (bf16 for bf16
-    embeddings), as torch's fused Adam does for bf16 parameters."""
-
-    def up(tree):
-        return jax.tree.map(lambda x: x.astype(F32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-    def update(grads, state, params=None):
-        updates, new_state = inner.update(up(grads), up(state), up(params))
-        return updates, jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
-
-    return optax.GradientTransformation(inner.init, update)
+def second_moment_shape(shape_NxRxC) -> tuple:
+    """NorMuon's second moment: one value per row of a tall or square matrix, per column of a wide one."""
+    n, rows, cols = shape_NxRxC
+    return (n, rows, 1) if rows >= cols else (n, 1, cols)
 
 
-def param_group(name: str, p) -> str:
-    if name == "lm_head.weight":
-        return "head"
-    if name.startswith(("embed.", "value_embeds.")):
-        return "embed"
-    return "scalar" if p.ndim < 2 else "muon"
+def normuon_variance_reduction(v_NxRxC, second_moment, beta2: float):
+    """(bf16 update, new second moment): each row (column) of v divided by the root of its running
+    mean square, the matrix then rescaled to keep its Frobenius norm. fp32 math, one rounding."""
+    axis = -1 if second_moment.shape[-1] == 1 else -2
+    n = v_NxRxC.shape[axis]
+    v = v_NxRxC.astype(F32)
+    v_mean = jnp.sum(v * v, axis=axis, keepdims=True) / n
+    v_norm = jnp.sqrt(jnp.sum(v_mean, axis=(-2, -1), keepdims=True) * n)
+    second_moment = second_moment + np.float32(1 - beta2) * (v_mean - second_moment)
+    step = jax.lax.rsqrt(jnp.maximum(second_moment, np.float32(1e-10)))
+    v_norm_new = jnp.sqrt(jnp.sum(v_mean * n * (step * step), axis=(-2, -1), keepdims=True))
+    scale = step * (v_norm / jnp.maximum(v_norm_new, np.float32(1e-10)))
+    return (v * scale).astype(BF16), second_moment
 
 
-def make_optimizer(hp: Hyperparameters, mesh=None) -> optax.GradientTransformation:
-    def adam(base_lr):
-        return optax.adam(lambda s: base_lr * lr_factor(s, hp), b1=0.8, b2=0.95, eps=1e-10)
+def cautious_update_mantissa(p_bf16, mantissa_u16, u, wd, lr):
+    """(bf16 weight, uint16 mantissa) after p <- p - [u p >= 0] wd lr p - lr u on the fp32 value whose
+    top 16 bits are the bf16 weight and low 16 bits the mantissa; the weight is that value truncated."""
+    bits = jax.lax.bitcast_convert_type(p_bf16, jnp.uint16).astype(jnp.uint32) << 16 | mantissa_u16.astype(jnp.uint32)
+    p = jax.lax.bitcast_convert_type(bits, F32)
+    u = u.astype(F32)
+    p = p - p * (u * p >= 0).astype(F32) * wd * lr - u * lr
+    bits = jax.lax.bitcast_convert_type(p, jnp.uint32)
+    return jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), BF16), (bits & 0xFFFF).astype(jnp.uint16)
 
-    groups = {
-        "head": adam(hp.head_lr),
-        "embed": fp32_math(adam(hp.embed_lr)),
-        "scalar": adam(hp.scalar_lr),
-        "muon": muon(lambda s: hp.muon_lr * lr_factor(s, hp), lambda s: muon_momentum(s, hp), mesh),
-    }
-    return optax.multi_transform(groups, lambda params: {k: param_group(k, p) for k, p in params.items()})
+
+def normuon_lrs(name: str, shape: tuple, hp) -> np.ndarray:
+    """Per-matrix lr of a bank at lr multiplier 1 (float64): base x lr_mul x shape factor x matrix factor."""
+    row, (rows, cols) = PARAM_TABLE[name], shape[-2:]
+    n = math.prod(shape[:-2])
+    cycle = row.get("matrix_lr_muls", (1.0,))
+    shape_mul = max(1.0, rows / cols) ** 0.5
+    return np.array([hp.muon_lr * row["lr_mul"] * shape_mul * cycle[i % len(cycle)] for i in range(n)])
+
+
+def normuon_update(p, g, s: dict, lr_N, wd, momentum, beta2: float):
+    """One bank's NorMuon step (every matrix on its own): (new bf16 bank, new state). lr_N: per-matrix lr."""
+    shape = p.shape
+    u, buf = nesterov(g.reshape(-1, *shape[-2:]).astype(F32), s["momentum_buffer"], momentum)
+    v, second = normuon_variance_reduction(polar_express(u), s["second_momentum_buffer"], beta2)
+    p, mantissa = cautious_update_mantissa(p.reshape(u.shape), s["mantissa"], v, wd, lr_N[:, None, None])
+    return p.reshape(shape), dict(momentum_buffer=buf, second_momentum_buffer=second, mantissa=mantissa)
+
+
+def adam_update(p, g, s: dict, row: dict, lr, hp):
+    """One Adam step of a parameter with cautious weight decay (lr^2 wd wd_mul on p where the update
+    agrees with p in sign), fp32 math, p rounded to its own dtype (bf16 has no master copy)."""
+    b1, b2 = row["betas"]
+    t = s["step"] + 1
+    g, p32 = g.astype(F32), p.astype(F32)
+    m = s["exp_avg"] * np.float32(b1) + g * np.float32(1 - b1)
+    v = s["exp_avg_sq"] * np.float32(b2) + np.float32(1 - b2) * g * g
+    lr = np.float32(hp.adam_lr * row["lr_mul"]) * lr
+    bias1, bias2 = (-jnp.expm1(t * np.float32(math.log(b))) for b in (b1, b2))  # 1 - b^t without cancellation
+    u = m / (jnp.sqrt(v) + np.float32(hp.adam_eps)) * (lr * (jnp.sqrt(bias2) / bias1))
+    u = u + lr * lr * np.float32(hp.adam_wd * row["wd_mul"]) * p32 * (u * p32 > 0).astype(F32)
+    return (p32 - u).astype(p.dtype), dict(exp_avg=m, exp_avg_sq=v, step=t)
+
+
+def accumulate(kept, g):
+    """The kept gradient plus a new one in the parameter's dtype (torch's .grad accumulation)."""
+    return (kept.astype(F32) + g.astype(F32)).astype(kept.dtype)
+
+
+def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp):
+    """Adam on every parameter of `params`, with the embedding tied to lm_head while sv['tied']:
+    lm_head's gradient gets embed's (transposed), embed becomes lm_head^T and keeps its state; at
+    sv['split'] embed's state becomes lm_head's (moments transposed, step count)."""
+    tie = LM_HEAD in params and EMBED in params
+    grads = dict(grads)
+    if tie:
+        grads[LM_HEAD] = jnp.where(sv["tied"], accumulate(grads[LM_HEAD], grads[EMBED].T), grads[LM_HEAD])
+    out = {n: adam_update(p, grads[n], state[n], PARAM_TABLE[n], sv["lr"], hp) for n, p in params.items()}
+    new_params, new_state = {n: o[0] for n, o in out.items()}, {n: o[1] for n, o in out.items()}
+    if tie:
+        new_params[EMBED] = jnp.where(sv["tied"], new_params[LM_HEAD].T, new_params[EMBED])
+        lm = new_state[LM_HEAD]
+        new_state[EMBED] = {k: jnp.where(sv["split"], lm[k].T if lm[k].ndim == 2 else lm[k],
+                                         jnp.where(sv["tied"], state[EMBED][k], new))
+                            for k, new in new_state[EMBED].items()}
+    return new_params, new_state, jax.tree.map(jnp.zeros_like, grads)
+
+
+def init_optimizer_state(params: dict, hp) -> dict:
+    """Fresh state for the parameters of `params` (other entries, e.g. buffers, are ignored): NorMuon
+    buffers per bank in its (matrices, rows, cols) view, Adam moments and step count, and the Adam
+    gradients kept over even steps."""
+    normuon, adam, kept = {}, {}, {}
+    for name, p in params.items():
+        if name not in PARAM_TABLE:
+            continue
+        if PARAM_TABLE[name]["optim"] == "normuon":
+            shape = (math.prod(p.shape[:-2]), *p.shape[-2:])
+            normuon[name] = dict(momentum_buffer=jnp.zeros(shape, F32),
+                                 second_momentum_buffer=jnp.zeros(second_moment_shape(shape), F32),
+                                 mantissa=jnp.zeros(shape, jnp.uint16))
+        else:
+            adam[name] = dict(exp_avg=jnp.zeros(p.shape, F32), exp_avg_sq=jnp.zeros(p.shape, F32),
+                              step=jnp.zeros((), jnp.int32))
+            kept[name] = jnp.zeros(p.shape, p.dtype)
+    return dict(normuon=normuon, adam=adam, kept_grads=kept)
+
+
+def step_values_at(step: int, hp) -> dict:
+    """The schedule at a step, as the arrays optimizer_step takes (so one compiled program serves all)."""
+    split = split_step(hp)
+    return dict(lr=np.float32(lr_mul(step, hp)), momentum=np.float32(muon_momentum(step, hp)),
+                do_adam=np.bool_(step % 2 == 1), tied=np.bool_(step <= split), split=np.bool_(step == split))
+
+
+def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict):
+    """(new params, new state) after one step: NorMuon on the banks every step; Adam on odd steps
+    (sv['do_adam']), on even ones the Adam gradients are kept and added to the next step's. Entries
+    of params not in PARAM_TABLE pass through. Jit it with hp static."""
+    sv = step_values
+    new_params, new_state = dict(params), dict(state, normuon={})
+    for name, s in state["normuon"].items():
+        row = PARAM_TABLE[name]
+        lr_N = jnp.asarray(normuon_lrs(name, params[name].shape, hp), F32) * sv["lr"]
+        wd = np.float32(hp.muon_wd * row["wd_mul"] * hp.muon_lr) * sv["lr"]
+        new_params[name], new_state["normuon"][name] = normuon_update(params[name], grads[name], s, lr_N, wd,
+                                                                      sv["momentum"], hp.muon_beta2)
+    kept = {n: accumulate(state["kept_grads"][n], grads[n]) for n in state["adam"]}
+    adam_params = {n: params[n] for n in state["adam"]}
+    adam_params, new_state["adam"], new_state["kept_grads"] = jax.lax.cond(
+        sv["do_adam"], partial(adam_step, hp=hp), lambda p, g, s, sv: (p, s, g), adam_params, kept, state["adam"], sv)
+    return new_params | adam_params, new_state
+
+
+@partial(jax.jit, static_argnums=2)
+def _first_step_params(params, grads, hp, step_values):
+    return optimizer_step(params, grads, init_optimizer_state(params, hp), hp, step_values)[0]
+
+
+def apply_update(params: dict, grads: dict, hp, step: int) -> dict:
+    """The parameters after ONE optimizer step at `step` from fresh optimizer state (the check against
+    ref89's `step`): params and grads keyed by the reference's names (any float dtype; grads holds
+    embed.weight and lm_head.weight separately, tied up to the split step, untied after it). Entries
+    of params that are not parameters (FP8 scales, the bigram sign table) pass through unchanged."""
+    dtypes = {n: dtype for n, (_, dtype) in param_shapes(hp).items() if n in params}
+    p = {n: jnp.asarray(params[n], dtype) for n, dtype in dtypes.items()}
+    g = {n: jnp.asarray(grads[n], dtype) for n, dtype in dtypes.items()}
+    return dict(params) | _first_step_params(p, g, hp, step_values_at(step, hp))
 
 
 # -----------------------------------------------------------------------------
-# Weights interop: .npz keyed by the PyTorch reference's state-dict names and shapes (Linear
-# weights (out, in)). bf16 tables are stored as fp32 (exact) so any numpy or torch can read them.
+# 4 Data: the 8-GPU record's streams, on any device count. Every step's batch is the 8 rank chunks
+# that the record's ranks 0..7 receive (leading axis RANKS); with D devices each takes 8/D of them as
+# micro-batches (section 5), so the math is the 8-GPU run's. (The reference's W<8 stream is not: it applies the shard-end rule per micro-batch,
+# so after its first shard switch it drifts from the 8-GPU stream; we follow the 8-GPU one.)
+#
+# Training (BOS-aligned): rank r's chunk is a buffer of exactly T+1 = batch_size/8 + 1 tokens, made of
+# documents each starting at a BOS, cut at the stage's max_seq_len and the last one at the buffer's
+# end (the rest of a cut document is dropped; the next document starts at the next BOS). Rank r+1
+# starts at the first BOS after rank r's last document. inputs = buf[:-1], targets = buf[1:], so a
+# document's last target is the next document's BOS. If the 8 chunks do not fit in the BOS left in the
+# shard, the whole step's batch moves to the next shard, starting at its first BOS. Files are used once,
+# in sorted order. A step's batch size and max_seq_len are those of its stage (from its first step on).
+#
+# Validation (unaligned): step s reads tokens[pos : pos + val_batch_size + 1] and rank r takes
+# tokens[pos + r*Tv : pos + (r+1)*Tv + 1]; pos += val_batch_size. Before each step, if
+# pos + val_batch_size + 1 >= len(shard) the next val file starts at pos 0. cu_seqlens are then 0 and
+# the BOS positions of the inputs (an empty first document when the chunk starts with BOS: harmless).
 
 
-def save_weights(params: dict, path: str) -> None:
-    """Written under a temporary name and renamed, so PATH is either the old file or the complete new one."""
-    arrays = {k: np.asarray(jax.device_get(v).astype(np.float32)) for k, v in params.items()}
-    tmp = path + ".tmp.npz"
-    try:
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_weights(path: str, hp: Hyperparameters) -> dict:
-    expected = jax.eval_shape(lambda: init_params(hp, 0))
-    try:
-        with np.load(path) as f:
-            arrays = dict(f)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise DataError(f"cannot read weights {os.path.abspath(path)} ({type(e).__name__}: {e}): pass an .npz "
-                        f"written by --save-weights") from None
-    missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
-    wrong = [f"{k}: file {arrays[k].shape}, model {expected[k].shape}" for k in expected
-             if k in arrays and arrays[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        raise DataError(f"{path} does not match the model of these hyperparameters: missing {missing}, "
-                         f"unexpected {unexpected}, wrong shapes {wrong}")
-    return {k: jnp.asarray(arrays[k], dtype=expected[k].dtype) for k in expected}
-
-
-# -----------------------------------------------------------------------------
-# 4 Data: the reference's loader. Each step takes a window of batch_size + 1 tokens from the
-# current shard and splits it into R = batch_size / seq_len "virtual ranks": row r is
-# tokens[pos + r·seq_len : pos + (r+1)·seq_len + 1] (inputs = first seq_len, targets = last
-# seq_len). Then pos += batch_size; when pos + batch_size + 1 >= len(shard) the next shard starts
-# at 0. The token order is therefore the 8-GPU reference's on any number of devices.
-
+# cu_seqlens length per rank chunk of T tokens, the record's table (at its three training T) ...
+TRAIN_MAX_NUM_DOCS = {16384: 64, 32768: 96, 49152: 128}
 
 # The shard format that data/shards.py writes: 256 little-endian int32 (magic, version, token count,
-# zeros), then the uint16 tokens. Read here as well, so this file runs and is logged on its own.
+# zeros), then the uint16 tokens.
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 256 * 4
 SHARD_FIX = ("delete it, then download it again (python data/cached_fineweb10B.py N) or regenerate it "
              "(data/fineweb.py, data/synthetic.py)")
@@ -901,21 +1661,133 @@ def shard_files(pattern: str, flag: str) -> list:
     return files
 
 
-def steps_available(files: list, batch_size: int) -> int:
-    """How many step windows the shards hold, from their headers alone (token_windows' rule)."""
-    return sum(max(0, -(-(read_shard_header(f) - batch_size - 1) // batch_size)) for f in files)
+def max_num_docs(T: int) -> int:
+    """cu_seqlens entries per chunk of T tokens: the record's table, else next multiple of 128 of T/300.
+    Deviation: at least 128, where the reference's formula gives 0 (T < 300, test sizes only)."""
+    return TRAIN_MAX_NUM_DOCS.get(T, max(128, -(-(T // 300) // 128) * 128))
 
 
-def token_windows(files: list, batch_size: int, seq_len: int, rows: range):
-    """Yields (inputs, targets), each int32 (len(rows), seq_len): this process's virtual ranks of each step."""
-    for path in files:
-        tokens, pos = open_shard(path), 0
-        while pos + batch_size + 1 < len(tokens):
-            window = np.asarray(tokens[pos + rows.start * seq_len : pos + rows.stop * seq_len + 1], np.int32)
-            inputs = np.lib.stride_tricks.sliding_window_view(window[:-1], seq_len)[::seq_len]
-            targets = np.lib.stride_tricks.sliding_window_view(window[1:], seq_len)[::seq_len]
-            yield np.ascontiguousarray(inputs), np.ascontiguousarray(targets)
-            pos += batch_size
+class Chunks(NamedTuple):
+    """One step's batch: row r is what rank r of the 8-GPU record gets."""
+    inputs: np.ndarray  # int32 (8, T)
+    targets: np.ndarray  # int32 (8, T)
+    cu_seqlens: np.ndarray  # int32 (8, max_num_docs(T)): [0, document ends..., T, T, ...]
+
+
+class StepDocs(NamedTuple):
+    """Where one training step's batch comes from: documents tokens[starts[r][d] : ends[r][d]] of rank r."""
+    shard: int  # index into the sorted train files
+    tokens: np.ndarray  # that shard's memory map
+    starts: list  # RANKS int64 arrays of document starts (BOS positions in the shard)
+    ends: list  # ... and their (cut) ends; each rank's lengths sum to T + 1
+
+
+def doc_cumlens(bos_n: np.ndarray, size: int, max_seq_len: int) -> np.ndarray:
+    """int64 (n+1,): C[j] = tokens of documents 0..j-1 of the shard, each cut at max_seq_len."""
+    natural_n = np.diff(bos_n, append=size)
+    return np.concatenate([[0], np.cumsum(np.minimum(natural_n, max_seq_len))])
+
+
+def rank_docs(bos_n, cumlen_n1, first: int, T: int):
+    """(starts, ends, next first) of the 8 rank chunks taking documents from number `first` on, or None
+    when they do not fit in the shard."""
+    starts, ends = [], []
+    for _ in range(RANKS):
+        stop = int(np.searchsorted(cumlen_n1, cumlen_n1[first] + T + 1))  # documents first..stop-1 fill T+1
+        if stop >= len(cumlen_n1):
+            return None
+        lengths = np.diff(cumlen_n1[first:stop + 1])
+        lengths[-1] = T + 1 - (cumlen_n1[stop - 1] - cumlen_n1[first])  # the last one is cut at the budget
+        starts.append(bos_n[first:stop])
+        ends.append(bos_n[first:stop] + lengths)
+        first = stop
+    return starts, ends, first
+
+
+def train_docs(hp: Hyperparameters, files: list):
+    """Yields the StepDocs of steps 0, 1, 2, ... (the reference's Shard.next_batch at world size 8);
+    raises DataError at the step where the files run out."""
+    shard, tokens, bos_n, first = -1, np.zeros(0, np.uint16), np.zeros(0, np.int64), 0  # no shard: loads file 0
+    step, cumlen_n1, cumlen_key = 0, None, None
+    while True:
+        stage = hp.stages[stage_of(step, hp)[0]]
+        T = stage.batch_size // RANKS
+        if cumlen_key != (shard, stage.max_seq_len):  # once per shard and max_seq_len
+            cumlen_n1, cumlen_key = doc_cumlens(bos_n, tokens.size, stage.max_seq_len), (shard, stage.max_seq_len)
+        found = rank_docs(bos_n, cumlen_n1, first, T)
+        if found is None:
+            shard += 1
+            if shard == len(files):
+                raise DataError(
+                    f"the train shards ran out at step {step}: the {len(files)} files matching --train-files "
+                    f"{os.path.abspath(hp.train_files)!r} hold {step} of the run's {hp.total_steps} steps; add shards "
+                    f"(FineWeb: `python data/cached_fineweb10B.py N` fetches N; the record reads about 410M tokens) "
+                    f"or lower --num-scheduled-iterations")
+            tokens = open_shard(files[shard])
+            bos_n, first = np.flatnonzero(tokens == hp.bos_id), 0
+            continue
+        starts, ends, first = found
+        docs = max(len(s) for s in starts)
+        if docs >= max_num_docs(T):
+            raise DataError(
+                f"step {step}: a rank's {T} tokens hold {docs} documents of {files[shard]}, more than the "
+                f"{max_num_docs(T) - 1} its cu_seqlens can hold (as in the reference): these documents are far "
+                f"shorter than FineWeb's; use other shards")
+        yield StepDocs(shard, tokens, starts, ends)
+        step += 1
+
+
+def chunks_of(docs: StepDocs) -> Chunks:
+    """The 8 rank chunks of one step's documents (the buffers gathered at once from one window)."""
+    lo, hi = int(docs.starts[0][0]), int(docs.ends[-1][-1])
+    window = np.asarray(docs.tokens[lo:hi], np.int32)
+    starts, ends = np.concatenate(docs.starts), np.concatenate(docs.ends)
+    lengths = ends - starts
+    T = int(lengths[:len(docs.starts[0])].sum()) - 1
+    # position i of the flat (8*(T+1)) buffer comes from window[start of its document - lo + offset in it]
+    buf_RxT1 = window[np.repeat(starts - lo - (np.cumsum(lengths) - lengths), lengths)
+                      + np.arange(RANKS * (T + 1))].reshape(RANKS, T + 1)
+    cu_RxN = np.full((RANKS, max_num_docs(T)), T, np.int32)
+    cu_RxN[:, 0] = 0
+    for r, (s, e) in enumerate(zip(docs.starts, docs.ends)):
+        cu_RxN[r, 1:len(s)] = np.cumsum(e - s)[:-1]  # the last document's end is T (one target short)
+    inputs_RxT = np.ascontiguousarray(buf_RxT1[:, :-1])
+    return Chunks(inputs_RxT, np.ascontiguousarray(buf_RxT1[:, 1:]), cu_RxN)
+
+
+def train_chunks(hp: Hyperparameters, files: list = None):
+    """Yields the Chunks of training steps 0, 1, 2, ... of the 8-GPU record."""
+    files = shard_files(hp.train_files, "--train-files") if files is None else files
+    for docs in train_docs(hp, files):
+        yield chunks_of(docs)
+
+
+def val_chunks(hp: Hyperparameters, files: list = None):
+    """Yields the Chunks of the val_tokens / val_batch_size validation steps (a fresh pass each call)."""
+    files = shard_files(hp.val_files, "--val-files") if files is None else files
+    B, Tv, N = hp.val_batch_size, hp.val_batch_size // RANKS, max_num_docs(hp.val_batch_size // RANKS)
+    shard, tokens, pos = 0, open_shard(files[0]), 0
+    for step in range(hp.val_tokens // B):
+        while pos + B + 1 >= tokens.size:
+            shard, pos = shard + 1, 0
+            if shard == len(files):
+                raise DataError(
+                    f"the val shards ran out at validation step {step}: the {len(files)} files matching --val-files "
+                    f"{os.path.abspath(hp.val_files)!r} hold {step} batches of --val-batch-size {B} (a batch needs "
+                    f"{B + 2} tokens left in its file) but --val-tokens {hp.val_tokens} needs {hp.val_tokens // B}")
+            tokens = open_shard(files[shard])
+        window = np.asarray(tokens[pos:pos + B + 1], np.int32)
+        inputs_RxT = window[:-1].reshape(RANKS, Tv)
+        rank_b, pos_b = np.nonzero(inputs_RxT == hp.bos_id)  # row-major: grouped by rank, ascending positions
+        counts_R = np.bincount(rank_b, minlength=RANKS)
+        if counts_R.max() >= N:
+            raise DataError(f"validation step {step}: a rank's {Tv} tokens of {files[shard]} hold {counts_R.max()} "
+                            f"BOS tokens, more than the {N - 1} its cu_seqlens can hold: use other shards")
+        cu_RxN = np.full((RANKS, N), Tv, np.int32)
+        cu_RxN[:, 0] = 0
+        cu_RxN[rank_b, 1 + np.arange(len(rank_b)) - np.repeat(np.cumsum(counts_R) - counts_R, counts_R)] = pos_b
+        yield Chunks(inputs_RxT, window[1:].reshape(RANKS, Tv), cu_RxN)
+        pos += B
 
 
 def prefetch(iterator, put, depth: int = 2):
@@ -958,7 +1830,138 @@ def prefetch(iterator, put, depth: int = 2):
 
 
 # -----------------------------------------------------------------------------
-# 5 Record log: records/<UTC time>_<id>.txt, line-buffered, written by process 0 only.
+# 5 Training step: one jitted program per stage shape over a 1-D data mesh. A step is the 8-GPU
+# reference's: 8 rank chunks of T tokens; each device runs its share of them one after another
+# (micro-batches, each its own sequence), with one FP8 activation-scale state per chunk slot, so 1, 2,
+# 4 or 8 devices compute the same step. Gradients of sum(per-token loss) are averaged over the 8
+# chunks (the reference's all-reduce AVG with grad scale 1), then the optimizer steps.
+
+
+def make_mesh(devices=None):
+    devices = jax.devices() if devices is None else devices
+    if RANKS % len(devices):
+        raise ConfigError(f"{len(devices)} devices: the step's 8 chunks must split evenly, so use 1, 2, 4 or 8 "
+                          f"devices per run (e.g. CUDA_VISIBLE_DEVICES)")
+    return jax.sharding.Mesh(np.array(devices), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def trainable(weights: dict, hp: Hyperparameters) -> dict:
+    return {k: weights[k] for k in param_shapes(hp)}
+
+
+def fp8_state(weights: dict) -> dict:
+    """The FP8 down projection's carried state: the next step's weight scales (from this step's
+    weights; NaN: none yet) and one activation-scale row per chunk slot."""
+    act = weights["_mlp_down_act_scales"]
+    return {"next_w": weights["_mlp_down_proj_next_scales"],
+            "act": act if act.ndim == 2 else jnp.broadcast_to(act, (RANKS, act.shape[0]))}
+
+
+def next_act_scales(act_12, amax_11):
+    """The reference's delayed activation scale: this forward's amax x 1.8 / 448 (the padding layer kept)."""
+    new = jnp.maximum(amax_11, 1e-12) * np.float32(MLP_ACT_HEADROOM / E4M3_MAX)
+    return act_12.at[:NUM_LAYERS].set(new)
+
+
+def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla"):
+    """This device's chunks one at a time: summed gradients (fp32) and losses, new activation scales."""
+    def chunk(total, xs):
+        x_T, y_T, act_12 = xs
+
+        def loss(p):
+            s, losses, amax = sequence_loss({**buffers, **p}, x_T, y_T, a, True, (w_scales, act_12),
+                                            prefix_targets(prefix_V, y_T),
+                                            attention)
+            return s, (losses, amax)
+
+        (_, (losses, amax)), g = jax.value_and_grad(loss, has_aux=True)(params)
+        total = jax.tree.map(lambda t, v: t + v.astype(F32), total, (g, jnp.sum(losses)))
+        return total, next_act_scales(act_12, amax)
+
+    zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params), jnp.zeros((), F32))
+    (g, loss), act = jax.lax.scan(chunk, zeros, (inputs_MxT, targets_MxT, act_Mx12))
+    return jax.lax.psum(g, "dp"), jax.lax.psum(loss, "dp"), act
+
+
+def make_train_step(hp: Hyperparameters, mesh):
+    """train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V)
+    -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape."""
+    replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    specs = dict(mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp"), P("dp"), P(), P(), P()),
+                 out_specs=(P(), P(), P("dp")), check_vma=False)
+
+    def train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V):
+        w_scales = down_weight_scales(params["mlp_bank"], bootstrap, fp8["next_w"])
+        g, loss, act = jax.shard_map(partial(device_step, attention=hp.attention), **specs)(
+            params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales, prefix_V)
+        grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
+        next_w = next_down_weight_scales(params["mlp_bank"])
+        params, opt_state = optimizer_step(params, grads, opt_state, hp, sv)
+        return params, opt_state, {"next_w": next_w, "act": act}, loss / inputs_8xT.size
+
+    fp8_shardings = {"next_w": replicated, "act": by_chunk}
+    return jax.jit(train_step, donate_argnums=(0, 2, 3),
+                   in_shardings=(replicated, replicated, replicated, fp8_shardings, by_chunk, by_chunk, replicated,
+                                 replicated, replicated, replicated),
+                   out_shardings=(replicated, replicated, fp8_shardings, replicated))
+
+
+def step_inputs(step: int, hp: Hyperparameters) -> tuple:
+    """The host-side runtime values of a training step: forward schedule, optimizer schedule, bootstrap."""
+    return schedule_values(step, hp), step_values_at(step, hp), np.bool_(step <= hp.fp8_bootstrap_steps)
+
+
+def train_steps(weights: dict, token_arrays: list, hp: Hyperparameters, step: int) -> dict:
+    """The check API against ref89's `step`: one optimizer step per flat token array (inputs a[:-1],
+    targets a[1:], every 8-GPU rank given that array) from step `step` on, fresh optimizer state;
+    returns parameters and state buffers by the reference's names, as ref89's `step` writes them."""
+    mesh = make_mesh(jax.devices()[:1])
+    train_step = make_train_step(hp, mesh)
+    params, fp8 = jax.tree.map(jnp.copy, (trainable(weights, hp), fp8_state(weights)))  # the step donates them
+    fp8["act"] = fp8["act"][:1]  # eight equal ranks average to one: the step runs one chunk
+    buffers = {"bigram_sign_table": weights["bigram_sign_table"]}
+    opt_state = init_optimizer_state(params, hp)
+    prefix_V = jnp.asarray(prefix_table(hp.padded_vocab))
+    losses = []
+    for s, tokens in enumerate(token_arrays, start=step):
+        inputs, targets, _ = padded_sequence(tokens, hp.bos_id)
+        inputs, targets = inputs[None], targets[None]
+        a, sv, bootstrap = step_inputs(s, hp)
+        params, opt_state, fp8, loss = train_step(params, buffers, opt_state, fp8, inputs, targets, a, sv, bootstrap,
+                                                  prefix_V)
+        losses.append(float(loss) * inputs.shape[1])  # the mean over the T positions: the array's sum
+    return {**params, **buffers, **reference_fp8_buffers(params, fp8, fp8["act"][0], s + 1, hp),
+            "__losses__": np.array(losses)}
+
+
+def reference_fp8_buffers(params, fp8, act_12, next_step: int, hp: Hyperparameters) -> dict:
+    """The FP8 state as the reference's buffers hold it after its quantize_mlp_fp8 (ref89's npz): the
+    weight scales the next forward uses, the ones after them (from the current weights), and the
+    activation scales of one rank."""
+    used = down_weight_scales(params["mlp_bank"], next_step <= hp.fp8_bootstrap_steps, fp8["next_w"])
+    return {"_mlp_down_act_scales": act_12, "_mlp_down_proj_scales": used,
+            "_mlp_down_proj_next_scales": next_down_weight_scales(params["mlp_bank"])}
+
+
+def make_val_step(hp: Hyperparameters, mesh):
+    """val_step(params, buffers, inputs_8xT, targets_8xT, a) -> mean per-token validation loss of the step
+    (the reference's mean over its 8 ranks of each rank's mean)."""
+    def device_val(params, buffers, inputs_MxT, targets_MxT, a):
+        def chunk(total, xy):
+            _, losses, _ = sequence_loss({**buffers, **params}, xy[0], xy[1], a, False, attention_impl=hp.attention)
+            return total + jnp.mean(losses), None
+
+        total, _ = jax.lax.scan(chunk, jnp.zeros((), F32), (inputs_MxT, targets_MxT))
+        return jax.lax.psum(total, "dp") / RANKS
+
+    replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    return jax.jit(jax.shard_map(device_val, mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp"), P()), out_specs=P(),
+                                 check_vma=False),
+                   in_shardings=(replicated, replicated, by_chunk, by_chunk, replicated), out_shardings=replicated)
+
+
+# -----------------------------------------------------------------------------
+# 6 Record log: records/<UTC time>_<id>.txt, line-buffered, written by process 0 only.
 # Layout: the full source of this file; a line of 100 '='; the environment; '='; the resolved
 # hyperparameters as JSON; '='; then compile, step and summary lines. A complete run ends with
 # `run complete`; an interrupted one with `interrupted at step N`; a failed one with `stopped: ...`.
@@ -1028,68 +2031,8 @@ def log_header(log: RecordLog, hp: Hyperparameters, preset: str) -> None:
 
 
 # -----------------------------------------------------------------------------
-# 6 Training: one jitted step over a 1-D data mesh of every device. Parameters and optimizer
-# state are replicated and donated; each device runs its share of the step's sequences one at a
-# time (gradient accumulation), averages them, and the devices average with each other, so the
-# update equals the 8-GPU reference's on any device count.
-
-
-def make_mesh():
-    return jax.sharding.Mesh(np.array(jax.devices()), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def sequences_per_device(hp: Hyperparameters, mesh) -> int:
-    rows = hp.batch_size // hp.seq_len
-    if rows % mesh.size:
-        raise ConfigError(
-            f"--batch-size {hp.batch_size} / --seq-len {hp.seq_len} = {rows} sequences per step cannot be split "
-            f"evenly over {mesh.size} devices: choose a --seq-len that makes it a multiple of {mesh.size}"
-        )
-    return rows // mesh.size
-
-
-def make_steps(hp: Hyperparameters, mesh, optimizer):
-    """The jitted train step and validation step (not yet compiled)."""
-    replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-
-    def device_mean(per_sequence, init, inputs_RxT, targets_RxT):
-        """Mean of per_sequence(x, y) over this device's sequences, one at a time (lax.scan, fp32
-        sums), then over the devices (pmean)."""
-        def add(total, xy):
-            return jax.tree.map(lambda t, v: t + v.astype(F32), total, per_sequence(*xy)), None
-
-        total, _ = jax.lax.scan(add, init, (inputs_RxT, targets_RxT))
-        return jax.lax.pmean(jax.tree.map(lambda t: t / inputs_RxT.shape[0], total), "dp")
-
-    # Training and validation share this structure (shard_map, then a scan over the device's
-    # sequences) so that the two programs differ only by the gradient and the head.
-    def device_grads(params, inputs_RxT, targets_RxT, window):
-        def loss_and_grads(x_T, y_T):
-            return jax.value_and_grad(loss_fn)(params, x_T, y_T, window, True, hp.fp8_head, hp.attention)
-
-        zeros = (jnp.zeros((), F32), jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params))
-        loss, grads = device_mean(loss_and_grads, zeros, inputs_RxT, targets_RxT)
-        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-
-    def device_val_loss(params, inputs_RxT, targets_RxT, window):
-        def loss(x_T, y_T):
-            return loss_fn(params, x_T, y_T, window, False, attention=hp.attention)
-
-        return device_mean(loss, jnp.zeros((), F32), inputs_RxT, targets_RxT)
-
-    # check_vma=False: the scan's carry starts as replicated zeros and becomes device-varying, which
-    # the varying-axes check would reject without explicit casts; pmean makes the results replicated.
-    specs = dict(mesh=mesh, in_specs=(P(), P("dp"), P("dp"), P()), check_vma=False)
-
-    def train_step(params, opt_state, inputs, targets, window):
-        loss, grads = jax.shard_map(device_grads, out_specs=(P(), P()), **specs)(params, inputs, targets, window)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return (jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, by_rows, by_rows, replicated),
-                    out_shardings=(replicated, replicated, replicated)),
-            jax.jit(jax.shard_map(device_val_loss, out_specs=P(), **specs),
-                    in_shardings=(replicated, by_rows, by_rows, replicated), out_shardings=replicated))
+# 7 Training: the schedule's steps with one compiled train program per stage shape, validation every
+# val_loss_every steps and at the end (the last with the widened long window).
 
 
 def enable_compile_cache(cache_dir: str) -> None:
@@ -1102,87 +2045,6 @@ def enable_compile_cache(cache_dir: str) -> None:
 
 class Interrupted(BaseException):
     """SIGINT/SIGTERM; a BaseException, like KeyboardInterrupt, so no library's `except Exception` eats it."""
-
-
-FINEWEB_SHARD_TOKENS = 100_000_000  # tokens per train shard of data/cached_fineweb10B.py
-
-
-@dataclasses.dataclass
-class Inputs:
-    """What a run reads, checked before anything is compiled or written."""
-    train_files: list
-    val_batches: list  # this process's validation windows, (inputs, targets) numpy pairs
-    rows: range  # this process's virtual ranks (sequences) of each step
-    per_device: int  # sequences per device per step
-
-
-def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: str = None) -> Inputs:
-    """Raises ConfigError/DataError, naming the flag and the fix, before any work is done."""
-    per_device = sequences_per_device(hp, mesh)
-    per_process = per_device * len(mesh.local_devices)
-    rows = range(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
-    train_files = shard_files(hp.train_files, "--train-files")
-    available = steps_available(train_files, hp.batch_size)
-    if available < hp.num_iterations:
-        shards = math.ceil(hp.num_iterations / max(1, FINEWEB_SHARD_TOKENS // hp.batch_size))
-        raise DataError(
-            f"the shards matching --train-files {os.path.abspath(hp.train_files)!r} hold {available} steps of "
-            f"{hp.batch_size} tokens but --num-iterations is {hp.num_iterations}: add shards (FineWeb: "
-            f"`python data/cached_fineweb10B.py {shards}`) or lower --num-iterations")
-    val_files = shard_files(hp.val_files, "--val-files")
-    val_steps = hp.val_tokens // hp.batch_size
-    val_available = steps_available(val_files, hp.batch_size)
-    if val_available < val_steps:
-        held = sum(read_shard_header(f) for f in val_files)
-        raise DataError(
-            f"the shards matching --val-files {os.path.abspath(hp.val_files)!r} hold {held} tokens: "
-            f"{val_available} windows of --batch-size {hp.batch_size} (a window needs batch_size + 1 tokens "
-            f"and one more left in its shard), but --val-tokens {hp.val_tokens} needs {val_steps}. "
-            f"Lower --val-tokens to {val_available * hp.batch_size} or add val shards")
-    val_batches = list(itertools.islice(token_windows(val_files, hp.batch_size, hp.seq_len, rows), val_steps))
-    for path in train_files + val_files:  # an embedding lookup past the table would silently clamp
-        tokens = open_shard(path)
-        largest = int(tokens.max()) if tokens.size else -1
-        if largest >= hp.vocab_size:
-            raise DataError(f"{os.path.abspath(path)} holds token id {largest}, but --vocab-size is "
-                            f"{hp.vocab_size}: raise --vocab-size (GPT-2 shards need {EOT + 1}) or use other shards")
-    if init_path and not os.path.isfile(init_path):
-        raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
-    if save_path and os.path.isdir(save_path):
-        raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
-    for path, flag in [(hp.records_dir, "--records-dir"),  # last: the only check that creates anything
-                       (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
-        if path is None:
-            continue
-        try:
-            os.makedirs(path, exist_ok=True)
-            problem = None if os.access(path, os.W_OK) else "not writable"
-        except OSError as e:
-            problem = e.strerror
-        if problem:
-            raise ConfigError(f"cannot write to {flag} folder {os.path.abspath(path)!r} ({problem}): "
-                              f"choose a writable folder")
-    return Inputs(train_files, val_batches, rows, per_device)
-
-
-def initial_state(hp: Hyperparameters, mesh, optimizer, init_path: str = None):
-    """(params, optimizer state), replicated on every device: params from init_path's weights, or seeded."""
-    replicated = NamedSharding(mesh, P())
-    if init_path:
-        params = jax.device_put(load_weights(init_path, hp), replicated)
-    else:
-        params = jax.jit(init_params, static_argnums=(0, 1), out_shardings=replicated)(hp, hp.seed)
-    return params, jax.jit(optimizer.init, out_shardings=replicated)(params)
-
-
-def compile_steps(hp: Hyperparameters, mesh, params, opt_state, optimizer):
-    """The train and validation steps, compiled ahead of time for the batch's shape and shardings."""
-    train_step, val_step = make_steps(hp, mesh, optimizer)
-    by_rows, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
-    batch = jax.ShapeDtypeStruct((hp.batch_size // hp.seq_len, hp.seq_len), jnp.int32, sharding=by_rows)
-    window = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return (train_step.lower(params, opt_state, batch, batch, window).compile(),
-            val_step.lower(params, batch, batch, window).compile())
 
 
 class TrainClock:
@@ -1207,14 +2069,105 @@ def eta_note(steps_left: int, step_ms: float, validations_left: int, val_s: floa
     return f"  (ETA {seconds / 60:.1f} min)" if seconds >= 1 else ""
 
 
-def run_steps(hp: Hyperparameters, say, console, train_step, val_step, params, opt_state, batches, val_batches):
-    """The schedule: N steps, validation every val_loss_every steps and at the end. Writes the step
-    and val lines; returns (params, final val loss, train ms). An Interrupted raised inside gets the
-    step it happened at (.step)."""
-    N = hp.num_iterations
+def local_value(x) -> float:
+    """A replicated scalar's value from this process's own copy (other processes' are not addressable)."""
+    return float(x.addressable_data(0))
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What a run reads, checked before anything is compiled or written."""
+    train_files: list
+    val_batches: list  # the validation steps' chunks, this process's rows: (inputs, targets) numpy pairs
+    rows: np.ndarray  # this process's chunk rows (of the step's 8)
+
+
+def local_rows(mesh) -> np.ndarray:
+    """The chunk rows (of each step's 8) that this process's devices hold under P('dp')."""
+    index = NamedSharding(mesh, P("dp")).addressable_devices_indices_map((RANKS,))
+    return np.array(sorted({r for idx in index.values() for r in range(RANKS)[idx[0]]}))
+
+
+def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: str = None) -> Inputs:
+    """Raises ConfigError/DataError, naming the flag and the fix, before any work is done."""
+    rows = local_rows(mesh)
+    gpt2_vocab()
+    train_files = shard_files(hp.train_files, "--train-files")
+    val_files = shard_files(hp.val_files, "--val-files")
+    for path in train_files + val_files:  # an embedding lookup past the table would silently clamp
+        tokens = open_shard(path)
+        largest = int(tokens.max()) if tokens.size else -1
+        if largest >= hp.vocab_size:
+            raise DataError(f"{os.path.abspath(path)} holds token id {largest}, but --vocab-size is "
+                            f"{hp.vocab_size}: raise --vocab-size (GPT-2 shards need {BOS + 1}) or use other shards")
+    for _ in zip(range(hp.total_steps), train_docs(hp, train_files)):  # DataError where they run out
+        pass
+    val_batches = [(c.inputs[rows], c.targets[rows]) for c in val_chunks(hp, val_files)]
+    if init_path and not os.path.isfile(init_path):
+        raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
+    if save_path and os.path.isdir(save_path):
+        raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
+    for path, flag in [(hp.records_dir, "--records-dir"),  # last: the only check that creates anything
+                       (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
+        if path is None:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            problem = None if os.access(path, os.W_OK) else "not writable"
+        except OSError as e:
+            problem = e.strerror
+        if problem:
+            raise ConfigError(f"cannot write to {flag} folder {os.path.abspath(path)!r} ({problem}): "
+                              f"choose a writable folder")
+    return Inputs(train_files, val_batches, rows)
+
+
+def initial_state(hp: Hyperparameters, mesh, init_path: str = None):
+    """(params, buffers, optimizer state, FP8 state) on the mesh: from init_path's weights, or seeded."""
+    replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    weights = load_weights(init_path, hp) if init_path else init_params(hp, hp.seed)
+    params = jax.device_put(trainable(weights, hp), replicated)
+    buffers = jax.device_put({"bigram_sign_table": weights["bigram_sign_table"]}, replicated)
+    fp8 = fp8_state(weights)
+    fp8 = {"next_w": jax.device_put(fp8["next_w"], replicated), "act": jax.device_put(fp8["act"], by_chunk)}
+    opt_state = jax.jit(partial(init_optimizer_state, hp=hp), out_shardings=replicated)(params)
+    return params, buffers, opt_state, fp8
+
+
+def stage_shape(step: int, hp: Hyperparameters) -> tuple:
+    """What makes a stage's train program differ: chunk length and the number of MTP weights."""
+    s = hp.stages[stage_of(step, hp)[0]]
+    return s.batch_size // RANKS, len(s.mtp_start)
+
+
+VAL_KEYS = ("window_short", "window_long", "freq", "scale", "bos")  # the forward values validation reads
+
+
+def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):
+    """{stage shape: compiled train program} and the compiled validation program, ahead of time."""
+    train_step, val_step = make_train_step(hp, mesh), make_val_step(hp, mesh)
+    by_chunk = NamedSharding(mesh, P("dp"))
+    programs = {}
+    for first, _ in stage_bounds(hp):
+        shape = stage_shape(first, hp)
+        if shape not in programs:
+            batch = jax.ShapeDtypeStruct((RANKS, shape[0]), jnp.int32, sharding=by_chunk)
+            a, sv, bootstrap = step_inputs(first, hp)
+            programs[shape] = train_step.lower(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap,
+                                               prefix_V).compile()
+    val_batch = jax.ShapeDtypeStruct((RANKS, hp.val_batch_size // RANKS), jnp.int32, sharding=by_chunk)
+    a = {k: v for k, v in schedule_values(0, hp).items() if k in VAL_KEYS}
+    return programs, val_step.lower(params, buffers, val_batch, val_batch, a).compile()
+
+
+def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batches, val_batches, prefix_V):
+    """The schedule: total_steps steps, validation every val_loss_every steps and at the end. Writes
+    the step and val lines; returns (state, final val loss, train ms). An Interrupted raised inside
+    gets the step it happened at (.step)."""
+    N = hp.total_steps
+    params, buffers, opt_state, fp8 = state
     validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
-    # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the
-    # host; its line is written then, with the clock read then.
+    # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the host.
     clock, pending, val_s, step = TrainClock(), None, 0.0, 0
 
     def finish(dispatched):
@@ -1224,13 +2177,12 @@ def run_steps(hp: Hyperparameters, say, console, train_step, val_step, params, o
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite train loss {loss} at step {finished + 1}: usual causes are a learning rate too "
-                f"high for this batch or model (--muon-lr, --embed-lr, ...) and bad data (check the shards)")
+                f"high for this batch or model (--muon-lr, --adam-lr, ...) and bad data (check the shards)")
         left = [v for v in validations if v > finished]
         say(train_line(finished + 1, N, ms), eta_note(N - finished - 1, ms / (finished + 1), len(left), val_s))
 
     try:
         for step in range(N + 1):
-            window = np.int32(window_blocks(step, hp))
             if step in validations:
                 if pending:
                     finish(pending)
@@ -1239,7 +2191,8 @@ def run_steps(hp: Hyperparameters, say, console, train_step, val_step, params, o
                 if step == validations[0]:
                     console(f"validating on {hp.val_tokens} tokens ...")
                 t = time.perf_counter()
-                losses = [val_step(params, x, y, window) for x, y in val_batches]  # all dispatched, then read
+                a = {k: v for k, v in schedule_values(step, hp, final_val=step == N).items() if k in VAL_KEYS}
+                losses = [val_step(params, buffers, x, y, a) for x, y in val_batches]  # all dispatched, then read
                 val_loss = float(np.mean([local_value(v) for v in losses]))
                 val_s = time.perf_counter() - t
                 say(val_line(step, N, val_loss, clock.ms()))
@@ -1247,10 +2200,12 @@ def run_steps(hp: Hyperparameters, say, console, train_step, val_step, params, o
                     raise FloatingPointError(f"non-finite val loss {val_loss} at step {step}: usual causes are a "
                                              f"learning rate too high and bad data")
             if step == N:
-                return params, val_loss, clock.ms()
+                return (params, buffers, opt_state, fp8), val_loss, clock.ms()
             x, y = next(batches)
+            a, sv, bootstrap = step_inputs(step, hp)
             clock.run()
-            params, opt_state, loss = train_step(params, opt_state, x, y, window)
+            params, opt_state, fp8, loss = programs[stage_shape(step, hp)](params, buffers, opt_state, fp8, x, y, a,
+                                                                           sv, bootstrap, prefix_V)
             if pending:
                 finish(pending)
             pending = (step, loss)
@@ -1281,51 +2236,55 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         console("checking shards and flags ...")
         inputs = check_inputs(hp, mesh, init_path, save_path)
-        by_rows = NamedSharding(mesh, P("dp"))
-        optimizer = make_optimizer(hp, mesh)
-        params, opt_state = initial_state(hp, mesh, optimizer, init_path)
+        by_chunk, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
+        state = initial_state(hp, mesh, init_path)
+        prefix_V = jax.device_put(prefix_table(hp.padded_vocab), replicated)
         console(f"compiling the train and validation steps (persistent cache: {hp.compile_cache_dir or 'off'}) ...")
         t0 = time.perf_counter()
-        train_step, val_step = compile_steps(hp, mesh, params, opt_state, optimizer)
+        programs, val_step = compile_steps(hp, mesh, *state, prefix_V)
         compile_s = time.perf_counter() - t0
 
         if main_process:
             log = RecordLog(new_log_path(hp.records_dir))
             print(f"record log: {os.path.abspath(log.path)}", flush=True)  # records/attempt.py finds the log by it
             log_header(log, hp, preset)
-        say(f"preset {preset}: {hp.num_iterations} steps x {hp.batch_size} tokens, {mesh.size} device(s), "
-            f"{inputs.per_device} sequence(s) of {hp.seq_len} per device per step; log {log.path if log else '-'}")
+        say(f"preset {preset}: {hp.total_steps} steps ({hp.num_scheduled_iterations} scheduled + "
+            f"{hp.num_extension_iterations} extension), stages at {[b[0] for b in stage_bounds(hp)]}, batch "
+            f"{[s.batch_size for s in hp.stages]} tokens as 8 chunks, {mesh.size} device(s), "
+            f"{RANKS // mesh.size} chunk(s) per device per step; log {log.path if log else '-'}")
         if init_path:
             say(f"initial weights: {os.path.abspath(init_path)}")
-        say(f"compile: {compile_s:.1f}s for the train and validation steps (persistent cache: "
-            f"{hp.compile_cache_dir or 'off'})")
+        say(f"compile: {compile_s:.1f}s for {len(programs)} train programs and the validation step "
+            f"(persistent cache: {hp.compile_cache_dir or 'off'})")
 
-        def put(batch):
-            return tuple(jax.make_array_from_process_local_data(by_rows, x) for x in batch)
+        def put(chunks):
+            return tuple(jax.make_array_from_process_local_data(by_chunk, a[inputs.rows])
+                         for a in (chunks.inputs, chunks.targets))
 
-        val_batches = [put(b) for b in inputs.val_batches]
-        batches = prefetch(token_windows(inputs.train_files, hp.batch_size, hp.seq_len, inputs.rows), put)
-        params, val_loss, train_ms = run_steps(hp, say, console, train_step, val_step, params, opt_state, batches,
-                                               val_batches)
+        val_batches = [tuple(jax.make_array_from_process_local_data(by_chunk, a) for a in b) for b in inputs.val_batches]
+        batches = prefetch(train_chunks(hp, inputs.train_files), put)
+        state, val_loss, train_ms = run_steps(hp, say, console, programs, val_step, state, batches, val_batches,
+                                              prefix_V)
         trained = True
         stats = jax.local_devices()[0].memory_stats() or {}
+        tokens = sum(hp.stages[stage_of(s, hp)[0]].batch_size for s in range(hp.total_steps))
         summary = {
             "final_val_loss": val_loss,
             "train_time_ms": train_ms,
-            "step_avg_ms": train_ms / hp.num_iterations,
-            "tokens_per_s": hp.num_iterations * hp.batch_size / (train_ms / 1000),
+            "step_avg_ms": train_ms / hp.total_steps,
+            "tokens_per_s": tokens / (train_ms / 1000),
             "compile_s": compile_s,
             "peak_memory_mib": stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None,
             "log": log.path if log else None,
         }
         say(summary_line(summary))
         if save_path and main_process:
-            save_weights(params, save_path)
+            save_weights(final_weights(state, hp), save_path)
             say(f"weights saved: {os.path.abspath(save_path)}")
         say("run complete")
     except Interrupted as e:
         if log:
-            say(f"interrupted at step {getattr(e, 'step', hp.num_iterations if trained else 0)} ({e})")
+            say(f"interrupted at step {getattr(e, 'step', hp.total_steps if trained else 0)} ({e})")
         else:
             console(f"interrupted ({e}) before training started; no record log was written")
         raise
@@ -1349,13 +2308,15 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
     return summary
 
 
-def local_value(x) -> float:
-    """A replicated scalar's value from this process's own copy (other processes' are not addressable)."""
-    return float(x.addressable_data(0))
+def final_weights(state, hp: Hyperparameters) -> dict:
+    """Parameters and state buffers by the reference's names (rank 0's activation scales), for save_weights."""
+    params, buffers, _, fp8 = state
+    act = np.asarray(fp8["act"].addressable_data(0))[0]  # row 0 lives on process 0's first device
+    return {**params, **buffers, **reference_fp8_buffers(params, fp8, act, hp.total_steps, hp)}
 
 
 # -----------------------------------------------------------------------------
-# Several processes or hosts: jax.distributed with the coordinator given by flags or JAX_*
+# 8 Several processes or hosts: jax.distributed with the coordinator given by flags or JAX_*
 # environment variables, or detected from SLURM / Open MPI. One process per host (all its GPUs) or
 # one per GPU both work: the mesh spans every process's devices, and each process loads only its
 # own virtual ranks.
@@ -1401,19 +2362,20 @@ def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:
 
 
 # -----------------------------------------------------------------------------
-# Command line: every Hyperparameters field is a flag (--num-iterations 200, --train-files ...).
+# 9 Command line: every scalar Hyperparameters field is a flag (--num-scheduled-iterations 200, ...);
+# the stage table comes from the preset.
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Train the record-20 GPT (modded-nanogpt speedrun) in JAX on all local devices.",
+        description="Train the record-89 GPT (modded-nanogpt speedrun) in JAX on all local devices.",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="named configuration; default: record when a GPU is present, else cpu")
-    parser.add_argument("--init-weights", metavar="PATH", help="start from these weights (.npz, as --save-weights "
-                        "writes them) instead of the seed's initialisation")
-    parser.add_argument("--save-weights", metavar="PATH", help="after the run, save the trained weights to PATH "
-                        "(.npz keyed by the PyTorch state-dict names)")
+    parser.add_argument("--init-weights", metavar="PATH", help="start from these weights (.npz as --save-weights or "
+                        "ref89.py init writes them) instead of the seed's initialisation")
+    parser.add_argument("--save-weights", metavar="PATH", help="after the run, save the trained weights and state "
+                        "buffers to PATH (.npz keyed by the PyTorch reference's names)")
     launch = parser.add_argument_group("multi-process launch (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
                                        "JAX_PROCESS_ID; SLURM and Open MPI are detected)")
     launch.add_argument("--coordinator-address", help="host:port of process 0")
@@ -1422,7 +2384,7 @@ def parse_args(argv=None):
     launch.add_argument("--heartbeat-timeout", type=int, default=100,
                         help="seconds after which a silent process counts as dead and the others stop (100)")
     hyper = parser.add_argument_group("hyperparameters (defaults: those of the chosen preset)")
-    for field in dataclasses.fields(Hyperparameters):
+    for field in FLAG_FIELDS:
         flag = "--" + field.name.replace("_", "-")
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):
@@ -1431,14 +2393,40 @@ def parse_args(argv=None):
         else:
             hyper.add_argument(flag, dest=field.name, type=field.type, default=None, help=defaults,
                                choices=("xla", "pallas") if field.name == "attention" else None)
+    stages = parser.add_argument_group("stage table (defaults: the preset's; four values: stages 0-2 and the extension)")
+    stages.add_argument("--stage-batch-sizes", metavar="B0,B1,B2,B3",
+                        help="tokens per step over the 8 reference ranks (record: " +
+                        ",".join(str(s.batch_size) for s in RECORD_STAGES) + ")")
+    stages.add_argument("--stage-max-seq-lens", metavar="L0,L1,L2,L3", help="documents are cut at this length (record: "
+                        + ",".join(str(s.max_seq_len) for s in RECORD_STAGES) + ")")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
                 "--train-files 'data/fineweb10B/fineweb_train_*.bin')") if unknown[0].endswith(".bin") else ""
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Hyperparameters)
-                 if getattr(args, f.name) is not None}
+    overrides = {f.name: getattr(args, f.name) for f in FLAG_FIELDS if getattr(args, f.name) is not None}
     return args, overrides
+
+
+def with_stage_flags(hp: Hyperparameters, args) -> Hyperparameters:
+    """hp with the stage table's batch sizes and document lengths from --stage-batch-sizes/-max-seq-lens."""
+    stages = list(hp.stages)
+    for flag, field in [("--stage-batch-sizes", "batch_size"), ("--stage-max-seq-lens", "max_seq_len")]:
+        text = getattr(args, flag[2:].replace("-", "_"))
+        if text is None:
+            continue
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != len(stages):
+            raise ConfigError(f"{flag} {text!r}: give {len(stages)} comma-separated integers (stages 0-2 and the "
+                              f"extension), e.g. {','.join(str(getattr(s, field)) for s in stages)}")
+        stages = [dataclasses.replace(s, **{field: v}) for s, v in zip(stages, values)]
+    return dataclasses.replace(hp, stages=tuple(stages))
+
+
+FLAG_FIELDS = [f for f in dataclasses.fields(Hyperparameters) if f.name != "stages"]
 
 
 def main(argv=None) -> int:
@@ -1446,7 +2434,7 @@ def main(argv=None) -> int:
     try:
         start_distributed(distributed_settings(args))
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
-        hp = dataclasses.replace(PRESETS[preset], **overrides)
+        hp = with_stage_flags(dataclasses.replace(PRESETS[preset], **overrides), args)
         if args.preset is None and jax.process_index() == 0:
             print(f"preset {preset} (chosen because the JAX backend is {jax.default_backend()}; "
                   f"pass --preset to choose)", flush=True)

@@ -50,7 +50,7 @@ def run_count(text: str) -> int:
     """argparse type of --runs."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--runs must be a whole number of runs, at least 1 (got {text!r}); "
-                                         f"for example --runs 3 (a record claim needs more: 23 at record 20's mean "
+                                         f"for example --runs 3 (a record claim needs more: 11 at record 89's mean "
                                          f"and std)")
     return int(text)
 

@@ -1,7 +1,7 @@
 """Compare two record logs, ours (train_gpt.py) or the PyTorch speedrun's, in any pairing: what
 changed (source, hyperparameters), the validation curves, and final loss, time and memory.
 
-  python records/compare.py A.txt B.txt [--plot out.png] [--baseline record20] [--target 3.28] [--allow-incomplete]
+  python records/compare.py A.txt B.txt [--plot out.png] [--baseline record89] [--target 3.28] [--allow-incomplete]
 
 Sources are diffed only between logs of the same language. Between a JAX and a PyTorch log, the
 hyperparameters of the same meaning are shown side by side (SAME_MEANING maps the names). Curves
@@ -9,7 +9,8 @@ are shown at common steps and, when the step counts differ, at common fractions 
 --plot draws val loss against step, fraction of training and training time, and below them the
 range that decides a record: the end of training, on a loss axis that spans the target line and
 the final losses (at least 0.3 nats; more only when they lie further apart), needs matplotlib, an
-optional extra; --baseline record20 adds the published PyTorch record-20 curve (records/record20_curve.tsv).
+optional extra; --baseline record89 (or record20) adds a published PyTorch curve (records/record89_curve.tsv:
+the mean of record 89's 13 logs; records/record20_curve.tsv: one record-20 log).
 Logs of unfinished runs are rejected unless --allow-incomplete (their partial curves are shown).
 """
 import argparse
@@ -21,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from records.logs import LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete  # noqa: E402
 from records.stats import TARGET  # noqa: E402
 
-BASELINES = {"record20": os.path.join(os.path.dirname(os.path.abspath(__file__)), "record20_curve.tsv")}
+BASELINES = {name: os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}_curve.tsv")
+             for name in ("record20", "record89")}
 
 
 def load_baseline(name: str) -> list:
@@ -31,15 +33,20 @@ def load_baseline(name: str) -> list:
     return [(int(s), float(v), float(t)) for s, v, t in rows]
 
 
-# Our hyperparameter -> the PyTorch scripts' names for the same quantity (records 18-22 say
-# seq_len, later ones train_seq_len); checked against their Hyperparameters dataclasses.
+# Our hyperparameter (train_gpt.py's, or the record-20 archive's) -> the PyTorch scripts' names for the
+# same quantity (records 18-22 say seq_len, later ones train_seq_len); checked against their
+# Hyperparameters dataclasses (records 20 and 89).
 SAME_MEANING = {
     "train_files": ("train_files",),
     "val_files": ("val_files",),
     "val_tokens": ("val_tokens",),
-    "batch_size": ("batch_size",),  # tokens per optimizer step, all devices together
-    "seq_len": ("seq_len", "train_seq_len"),  # tokens per training sequence: one GPU's share
-    "num_iterations": ("num_iterations",),
+    "val_batch_size": ("val_batch_size",),
+    "batch_size": ("batch_size",),  # record 20: tokens per optimizer step, all devices together
+    "seq_len": ("seq_len", "train_seq_len"),  # record 20: tokens per training sequence: one GPU's share
+    "num_iterations": ("num_iterations",),  # record 20
+    "num_scheduled_iterations": ("num_scheduled_iterations",),  # record 89: the schedule's steps ...
+    "num_extension_iterations": ("num_extension_iterations",),  # ... then these at the final lr
+    "bigram_vocab_size": ("bigram_vocab_size",),
     "cooldown_frac": ("cooldown_frac",),
     "val_loss_every": ("val_loss_every",),
     "vocab_size": ("vocab_size",),

@@ -8,7 +8,7 @@ A LOG may be a file, a folder (its *.txt files) or a quoted glob ('records/2025-
 the number of runs, mean and standard deviation of the final val loss and of the training time,
 and the one-sided one-sample t-test of "mean final val loss < target" (a new record must show
 p < 0.01): run on a PyTorch record's published logs, it reproduces that record's claim. Then the
-runs' std beside record 20's (0.0018) and how many runs the record test needs at the measured mean
+runs' std beside record 89's (0.0014) and how many runs the record test needs at the measured mean
 and std. --against LOG... adds a second group (e.g. a PyTorch record's logs): Welch's one-sided
 two-sample t-test of the final val loss, the paired t-test by seed when both groups share at
 least 2 seeds (our runs are deterministic per seed), and Welch's test of the training time when
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from records.logs import LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete  # noqa: E402
 
 TARGET, ALPHA = 3.28, 0.01  # the speedrun's rule: mean final val loss below 3.28 at p < 0.01
-RECORD20_RUNS, RECORD20_STD = 32, 0.0018  # record 20's published final losses (their mean: 3.2787)
+RECORD_RUNS, RECORD_STD = 13, 0.0014  # record 89's published final losses (2026-07-17; their mean: 3.2784)
 POWER = 0.8  # "runs needed": the smallest n at which the record test passes with this probability
 
 
@@ -189,11 +189,11 @@ def record_test(losses: list, target: float, alpha: float, failed: list = ()) ->
 
 
 def spread_lines(losses: list, target: float, alpha: float) -> list:
-    """The runs' std beside record 20's, and the runs the record test needs at this mean and std."""
+    """The runs' std beside record 89's, and the runs the record test needs at this mean and std."""
     if len(losses) < 2:
         return []
     mean, std = statistics.mean(losses), statistics.stdev(losses)
-    lines = [f"spread: std {std:.4f}; record 20's: {RECORD20_STD} over its {RECORD20_RUNS} runs"]
+    lines = [f"spread: std {std:.4f}; record 89's: {RECORD_STD} over its {RECORD_RUNS} runs"]
     if mean >= target:
         lines.append(f"runs needed: none would do: the mean {mean:.4f} is not below the target {target}")
     elif std > 0:

@@ -25,15 +25,23 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# The test shards' vocabulary: the synthetic bigram text renumbered to dense token ids, so the head and
-# the embedding tables have 2,048 rows instead of 50,304 (they cost most of a tiny step on a CPU).
+# The test shards' vocabulary: the synthetic text renumbered to dense token ids, its end-of-text (BOS)
+# token last, so the head and the embedding tables have 2,048 rows instead of 50,304 (they cost most
+# of a tiny step on a CPU).
 TINY_VOCAB = 2048
+TINY_BOS = TINY_VOCAB - 1
 
-# A tiny run of train_gpt.py: 6 layers (the fewest the U-net allows), 8 sequences of 128 tokens per
-# step, 8 steps with a short cool-down (the loss falls > 2 nats), validation every 4 on one batch.
-TINY_FLAGS = {"--preset": "cpu", "--num-layers": 6, "--vocab-size": TINY_VOCAB, "--seq-len": 128,
-              "--batch-size": 1024, "--val-tokens": 1024, "--num-iterations": 8, "--cooldown-frac": 0.2,
-              "--val-loss-every": 4}
+# A tiny run of train_gpt.py: the cpu preset's model (11 layers, head size 16) on chunks of 128 tokens
+# (8 per step, documents cut at 128), 6 scheduled steps + 1 extension step, so every stage, the split,
+# the extension, the final windows and the end of the FP8 bootstrap come by; validation every 3 steps
+# on one batch. Three train programs (one per MTP length) and the validation step.
+TINY_FLAGS = {"--preset": "cpu", "--vocab-size": TINY_VOCAB, "--bos-id": TINY_BOS, "--bigram-vocab-size": 1024,
+              "--stage-batch-sizes": "1024,1024,1024,1024", "--stage-max-seq-lens": "128,128,128,128",
+              "--num-scheduled-iterations": 6, "--num-extension-iterations": 1, "--fp8-bootstrap-steps": 2,
+              "--muon-momentum-warmup-steps": 2, "--muon-momentum-cooldown-steps": 1, "--val-tokens": 1024,
+              "--val-batch-size": 1024, "--val-loss-every": 3}
+TINY_STEPS = 7
+TINY_VAL_STEPS = [0, 3, 6, 7]  # every 3 steps and at the end
 
 # This test run's folder (the compile cache, the test shards, the shared attempt): made by the first
 # pytest process, inherited by its xdist workers through the environment, removed by it at the end.
@@ -71,17 +79,20 @@ def shared_once(name: str, make) -> pathlib.Path:
 
 def write_tiny_shards(out):
     """Train (3 shards of 20,000 tokens) and val (8,000) shards of data/synthetic.py's text with token
-    ids renumbered below TINY_VOCAB (its end-of-text token becomes an ordinary one: one document per
-    sequence)."""
-    from data.shards import write_shard
+    ids renumbered below TINY_VOCAB, its end-of-text token (every document's first) as TINY_BOS."""
+    from data.shards import EOT, write_shard
     from data.synthetic import synthetic_tokens
 
     train, val = synthetic_tokens(60_000, seed=1, stream=1), synthetic_tokens(8_000, seed=1, stream=2)
-    ids = np.unique(np.concatenate([train, val]))
-    assert len(ids) <= TINY_VOCAB
+    ids = np.setdiff1d(np.concatenate([train, val]), [EOT])
+    assert len(ids) < TINY_BOS
+
+    def dense(tokens):
+        return np.where(tokens == EOT, TINY_BOS, np.searchsorted(ids, tokens))
+
     for i in range(3):
-        write_shard(str(out / f"synthetic_train_{i + 1:06d}.bin"), np.searchsorted(ids, train[i * 20_000:][:20_000]))
-    write_shard(str(out / "synthetic_val_000000.bin"), np.searchsorted(ids, val))
+        write_shard(str(out / f"synthetic_train_{i + 1:06d}.bin"), dense(train[i * 20_000:][:20_000]))
+    write_shard(str(out / "synthetic_val_000000.bin"), dense(val))
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +141,7 @@ def tiny_hp(tiny_args, tmp_path):
     import train_gpt as tg
 
     args, overrides = tg.parse_args(tiny_args(tmp_path / "records"))
-    return dataclasses.replace(tg.PRESETS[args.preset], **overrides)
+    return tg.with_stage_flags(dataclasses.replace(tg.PRESETS[args.preset], **overrides), args)
 
 
 @pytest.fixture

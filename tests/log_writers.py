@@ -9,7 +9,12 @@ import numpy as np
 import train_gpt as tg  # only for its Hyperparameters and source; the log lines are written here
 
 RULE = "=" * 100
-HP = dataclasses.replace(tg.PRESETS["cpu"], num_iterations=40, val_loss_every=10)
+HP = dataclasses.replace(tg.PRESETS["cpu"], num_scheduled_iterations=40, num_extension_iterations=0, val_loss_every=10)
+
+
+def hp_with(steps, **overrides):
+    """HP with `steps` steps (all scheduled) and other overrides."""
+    return dataclasses.replace(HP, num_scheduled_iterations=steps, **overrides)
 
 
 def val_line(step, N, loss, ms, timed=None):
@@ -35,9 +40,11 @@ def write_log(path, hp, val_losses, step_ms, end="complete"):
                  "Running jax 0.10.2 jaxlib 0.10.2 optax 0.2.5 numpy 2.2.6 on Linux-x86_64",
                  "Devices: 1 x cpu (cpu) in 1 process(es)", "nvidia-smi: not available", RULE,
                  "Hyperparameters (preset cpu):", json.dumps(dataclasses.asdict(hp), indent=1), RULE]
-    N, every = hp.num_iterations, hp.val_loss_every
-    lines += [f"preset cpu: {N} steps x {hp.batch_size} tokens, 1 device(s); log {path}",
-              "compile: 12.3s for the train and validation steps (persistent cache: off)"]
+    N, every, batch = hp.total_steps, hp.val_loss_every, hp.stages[0].batch_size  # one batch size, for simplicity
+    lines += [f"preset cpu: {N} steps ({N} scheduled + 0 extension), stages at {[b[0] for b in tg.stage_bounds(hp)]}, "
+              f"batch {[s.batch_size for s in hp.stages]} tokens as 8 chunks, 1 device(s), 8 chunk(s) per device per "
+              f"step; log {path}",
+              "compile: 12.3s for 3 train programs and the validation step (persistent cache: off)"]
     train_ms, val = 0.0, iter(val_losses)
     for step in range(N + 1):
         if step == N or step % every == 0:
@@ -53,7 +60,7 @@ def write_log(path, hp, val_losses, step_ms, end="complete"):
         lines.append(train_line(step + 1, N, train_ms))
     if end == "complete":
         lines += [f"summary final_val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms step_avg:{train_ms / N:.2f}ms "
-                  f"tokens_per_s:{N * hp.batch_size / train_ms * 1000:.0f} compile_s:12.3 peak_memory:n/a",
+                  f"tokens_per_s:{N * batch / train_ms * 1000:.0f} compile_s:12.3 peak_memory:n/a",
                   "run complete"]
     with open(path, "x") as f:
         f.write("\n".join(lines) + "\n")
@@ -92,6 +99,19 @@ TORCH_0126_HYPERPARAMETERS = """\
     val_loss_every = {every} # 0: only at the end
     seq_len = 48*1024 # tokens per GPU
     save_checkpoint = False
+"""
+
+# record 89 (2026): annotated fields, a schedule in two parts, no batch size (it is in the stage table)
+TORCH_89_HYPERPARAMETERS = """\
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin" # input .bin to train on
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin" # input .bin to eval validation loss on
+    val_tokens: int = 10485760 # fixed for consistent comparisons
+    val_batch_size: int = 4 * 64 * 1024 * 8
+    num_scheduled_iterations: int = {N} - 15  # number of steps to complete lr and ws schedule
+    num_extension_iterations: int = 15  # number of steps to continue training at final lr and ws
+    val_loss_every: int = {every}  # 0 for only at the end
+    save_checkpoint: bool = False
+    bigram_vocab_size: int = 50304 * 15 // 2
 """
 
 TORCH_SCRIPT = '''import os

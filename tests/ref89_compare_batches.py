@@ -1,4 +1,4 @@
-"""Same batches as the reference (issue 33): records/port89/train_gpt.py (section 4)'s training stream against the
+"""Same batches as the reference (issue 33): train_gpt.py (section 4)'s training stream against the
 record-89 reference's own loader, replayed by ref89.py `batches` (not part of the test suite).
 
     python tests/ref89_compare_batches.py --shard-dir /tmp/me/shards --torch-python ~/.cache/seed-torch-venv/bin/python \
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.shards import write_shard  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from records.port89 import train_gpt as tg  # noqa: E402
+import train_gpt as tg  # noqa: E402
 
 FIELDS = ("inputs", "targets", "cu_seqlens", "bigram_inputs", "bigram_cpu")
 

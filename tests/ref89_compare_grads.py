@@ -1,27 +1,78 @@
 """Gradients of the port against the PyTorch record-89 reference (ref89.py), outside the suite.
 
     python tests/ref89_compare_grads.py --ref89 PATH/ref89.py --torch-python PATH/python \
-        --weights W.npz --tokens T.npy --steps 1,423,847,1271 [--workdir DIR] [--jitter-rel 2e-3]
+        --weights W.npz --tokens T.npy --steps 1,423,847,1271 [--workdir DIR] [--jitter-rel 2e-3] [--eager-rounding]
 
 For each step: ref89 `grads` on W (G), ref89 `jitter` of W then `grads` on it (GJ: the reference's
 own noise under half-a-bf16-step changes), and the port's gradients (P). Per parameter (banks per
 matrix, padding skipped; lm_head and embed apart) it prints 1 - cosine and the norm ratio of P vs G
 and of GJ vs G, whether P's exact zeros are G's, and a verdict: P's distance at most twice the
-noise's. ref89 runs under `flock /tmp/ref89.lock` (each side needs 10-15 GB); outputs are deleted.
+noise's. --eager-rounding: the port with ref89's eager rounding of the residual stream (see EAGER).
+ref89 runs under `flock /tmp/ref89.lock` (each side needs 10-15 GB); outputs are deleted.
 """
 import argparse
+import atexit
 import contextlib
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.port89 import train_gpt as port  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train_gpt as port  # noqa: E402
 
+# --eager-rounding: ref89 runs torch eagerly, which rounds each term of a residual update
+# `a*x + b*y + c*z` to bf16 and then each partial sum; the compiled record (and the port) round the
+# fused sum once. Small terms (the x0 and bigram injections, MUDD mixes) are mostly rounded away
+# eagerly, and the stream grows less: ~1% by the last layer. These replacements give the port the
+# eager rounding, in a temporary copy (the patterns must match the port's code).
+EAGER = [
+    ("x = (f32(resid[i, 0]) * f32(x) + f32(post[i, 0]) * f32(y) + f32(x0) * f32(x0_gate[i])).astype(BF16)",
+     "x = _b(_b(_b(f32(resid[i, 0]) * f32(x)) + _b(f32(post[i, 0]) * f32(y))) + _b(f32(x0) * f32(x0_gate[i])))"),
+    ("x = (f32(resid[i, 1]) * f32(x) + f32(post[i, 1]) * f32(h)).astype(BF16)",
+     "x = _b(_b(f32(resid[i, 1]) * f32(x)) + _b(f32(post[i, 1]) * f32(h)))"),
+    ("return (f32(x_TxD) + f32(x0_bigram) * f32(coef_Tx1)).astype(BF16)",
+     "return _b(f32(x_TxD) + _b(f32(x0_bigram) * f32(coef_Tx1)))"),
+    ("x = ((1 + m[5]) * x32 + m[3] * c0 + m[4] * c7).astype(BF16)",
+     "x = _b(_b(_b(_b(1 + m[5]) * x32) + _b(m[3] * c0)) + _b(m[4] * c7))"),
+    ("x = (m[8] * f32(x) + m[9] * f32(y) + m[10] * f32(cache[0])).astype(BF16)",
+     "x = _b(_b(_b(m[8] * f32(x)) + _b(m[9] * f32(y))) + _b(m[10] * f32(cache[0])))"),
+    ("x = (m[12] * f32(x) + m[13] * f32(h)).astype(BF16)", "x = _b(_b(m[12] * f32(x)) + _b(m[13] * f32(h)))"),
+    ("x = (f32(x) + m[0] * f32(cache[0]) + m[1] * f32(cache[7]) + m[2] * f32(cache[9]) + m[3] * f32(ve[0])\n"
+     "         + m[4] * f32(cache[3])).astype(BF16)",
+     "x = _b(_b(_b(_b(_b(f32(x) + _b(m[0] * f32(cache[0]))) + _b(m[1] * f32(cache[7]))) + _b(m[2] * f32(cache[9])))\n"
+     "           + _b(m[3] * f32(ve[0]))) + _b(m[4] * f32(cache[3])))"),
+]
+
+
+def load_port(eager: bool, workdir: str):
+    """The port's module; with eager=True a copy whose residual updates round as eager torch does."""
+    if not eager:
+        return port
+    # XLA may keep bf16 values in fp32 between ops (excess precision), which would skip these roundings;
+    # set before the first computation, when the backend reads XLA_FLAGS
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
+    src = open(os.path.join(ROOT, "train_gpt.py")).read()
+    for compiled, eager_form in EAGER:
+        assert compiled in src, f"--eager-rounding: the port no longer has {compiled!r}; update EAGER"
+        src = src.replace(compiled, eager_form)
+    src = src.replace("def gpt_hidden(", "def _b(v):\n    return v.astype(BF16)\n\n\ndef gpt_hidden(", 1)
+    folder = tempfile.mkdtemp(dir=workdir)
+    os.makedirs(os.path.join(folder, "data"))
+    shutil.copy(os.path.join(ROOT, "data", "gpt2.tiktoken"), os.path.join(folder, "data"))
+    path = os.path.join(folder, "train_gpt.py")  # next to data/gpt2.tiktoken, as in the repository
+    open(path, "w").write(src)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("port_eager", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    atexit.register(shutil.rmtree, folder, True)  # the prefix table is read from it later
+    return module
 
 def pieces(name, g, hp):
     """(label, array) pieces compared on their own: banks per matrix (padding skipped), else whole."""
@@ -72,7 +123,9 @@ def main():
     ap.add_argument("--steps", default="1,423,847,1271")
     ap.add_argument("--jitter-rel", type=float, default=2e-3)
     ap.add_argument("--verbose", action="store_true", help="print every piece, not only the summary per parameter")
+    ap.add_argument("--eager-rounding", action="store_true", help="the port with ref89's eager residual rounding")
     a = ap.parse_args()
+    model = load_port(a.eager_rounding, a.workdir)
     hp = port.PRESETS["record"]
     ref = [a.torch_python, a.ref89]
     wj = os.path.join(a.workdir, "cmp_grads_jitter.npz")
@@ -86,7 +139,7 @@ def main():
         G, GJ = dict(np.load(g_path)), dict(np.load(gj_path))
         os.remove(g_path), os.remove(gj_path)
         with locked():
-            P, loss = port.train_grads(port.load_weights(a.weights, hp), tokens, hp, step)
+            P, loss = model.train_grads(model.load_weights(a.weights, hp), tokens, hp, step)
             P = {k: np.asarray(v, np.float32) for k, v in P.items()}
         print(f"\nstep {step}: loss ref {float(G['__loss__']):.4f} jittered {float(GJ['__loss__']):.4f} port {float(loss):.4f}")
         print(f"{'parameter':>22} {'port 1-cos':>10} {'noise 1-cos':>11} {'port norm':>9} {'noise norm':>10} zeros verdict")

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.port89 import train_gpt as port  # noqa: E402
+import train_gpt as port  # noqa: E402
 from ref89_compare_grads import locked, parser  # noqa: E402
 
 

@@ -2,6 +2,7 @@
 
     python tests/ref89_compare_steps.py --ref89 PATH/ref89.py --torch-python PATH/python \
         --weights W.npz --tokens T.npy[,T2.npy] --steps 1,423,847,1271 [--workdir DIR] [--jitter-rel 2e-3]
+        [--eager-rounding]
 
 For each start step N: ref89 `step W TOKENS --step N` (one step per token file), the same on W
 jittered by half a bf16 step (the reference's own noise), and the port's train_steps. Compared per
@@ -16,17 +17,19 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.port89 import train_gpt as port  # noqa: E402
+import train_gpt as port  # noqa: E402
 
-from ref89_compare_grads import distance, locked, parser, pieces, run  # noqa: E402
+from ref89_compare_grads import distance, load_port, locked, parser, pieces, run  # noqa: E402
 
 
 def main():
     ap = parser(__doc__, "one .npy per step, comma-separated")
     ap.add_argument("--steps", default="1,423,847,1271")
     ap.add_argument("--jitter-rel", type=float, default=2e-3)
+    ap.add_argument("--eager-rounding", action="store_true", help="the port with ref89's eager residual rounding")
     a = ap.parse_args()
     hp = port.PRESETS["record"]
+    model = load_port(a.eager_rounding, a.workdir)
     ref = [a.torch_python, a.ref89]
     wj = os.path.join(a.workdir, "cmp_steps_jitter.npz")
     run([*ref, "jitter", a.weights, wj, "--rel", str(a.jitter_rel)])
@@ -38,7 +41,7 @@ def main():
         run([*ref, "step", a.weights, a.tokens, "--step", str(step), s_path])
         run([*ref, "step", wj, a.tokens, "--step", str(step), sj_path])
         with locked():
-            out = port.train_steps(port.load_weights(a.weights, hp), token_arrays, hp, step)
+            out = model.train_steps(model.load_weights(a.weights, hp), token_arrays, hp, step)
             P = {k: np.asarray(v, np.float32) for k, v in out.items()}
             del out
         S, SJ = np.load(s_path), np.load(sj_path)

@@ -2,7 +2,7 @@
 
 For each step N: ref89's `grads W T --step N G.npz` (the train-mode gradients) and `step W T --step N
 S.npz` (one reference optimizer step from fresh state, on its own gradients of the same weights and
-tokens: the same code path, so the same gradients), then records/port89/train_gpt.apply_update(W, G,
+tokens: the same code path, so the same gradients), then train_gpt.apply_update(W, G,
 hp, N) against S, parameter by parameter:
   NorMuon banks, per matrix (matrices whose gradient is all zero, the banks' padding, apart, element by
     element): the brief's bound, update (new - W) cosine >= 0.999 and norm within 0.5% of ref89's, is
@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from records.port89 import train_gpt as tg  # noqa: E402
+import train_gpt as tg  # noqa: E402
 
 LOCK = "/tmp/ref89.lock"
 FP8_BUFFERS = ("_mlp_down_act_scales", "_mlp_down_proj_scales", "_mlp_down_proj_next_scales")

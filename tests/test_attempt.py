@@ -18,8 +18,8 @@ from scipy import stats as scipy_stats
 
 from records import attempt, compare, stats
 from records.logs import parse_log
-from conftest import TINY_FLAGS
-from log_writers import HP, NVIDIA_SMI, write_log, write_torch_log
+from conftest import TINY_STEPS
+from log_writers import HP, NVIDIA_SMI, hp_with, write_log, write_torch_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTEMPT = os.path.join(ROOT, "records", "attempt.py")
@@ -45,7 +45,7 @@ def test_a_three_run_attempt_makes_three_seeded_runs_with_a_tally_after_each(tin
     assert len(runs) == 3 and all(r.finished for r in runs)
     assert sorted(r.hyperparameters["seed"] for r in runs) == [0, 1, 2]
     # the other options reached every run
-    assert {r.hyperparameters["num_iterations"] for r in runs} == {TINY_FLAGS["--num-iterations"]}
+    assert {r.num_iterations for r in runs} == {TINY_STEPS}
     assert proc.stdout.count("\nrun complete\n") == 3  # the runs' own output passed through
     losses = [r.final_val_loss for r in sorted(runs, key=lambda r: r.hyperparameters["seed"])]
     for done in (1, 2, 3):
@@ -68,7 +68,7 @@ def test_the_attempts_verdict_covers_exactly_its_runs_and_reproduces(tiny_attemp
     assert [w for w in shlex.split(command) if w.endswith(".txt")] == logs  # exactly these (outside the repo)
     losses = [r.final_val_loss for r in runs]
     assert "runs: 3 (3 JAX train_gpt.py logs)" in text and f"mean {statistics.mean(losses):.4f}" in text
-    assert f"spread: std {statistics.stdev(losses):.4f}; record 20's: 0.0018" in text
+    assert f"spread: std {statistics.stdev(losses):.4f}; record 89's: 0.0014" in text
     assert "record claim does NOT hold" in text  # a tiny run is nowhere near 3.28
     saved, again = reproduced(verdict)
     assert again == saved
@@ -207,7 +207,7 @@ def test_ctrl_c_stops_the_attempt_with_a_partial_verdict(fake):
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
 def test_bad_runs_values_are_refused_before_anything_runs(value, capsys):
     with pytest.raises(SystemExit) as e:
-        attempt.main(["--runs", value, "--num-iterations", "5"])
+        attempt.main(["--runs", value, "--num-scheduled-iterations", "5"])
     assert e.value.code == 2
     assert f"--runs must be a whole number of runs, at least 1 (got '{value}'); for example --runs 3" in \
         capsys.readouterr().err
@@ -235,7 +235,7 @@ def repo_copy(tmp_path):
     for folder in ("data", "records"):
         (repo / folder).mkdir(parents=True)
         for source in os.listdir(os.path.join(ROOT, folder)):
-            if source.endswith(".py"):
+            if source.endswith((".py", ".tiktoken", ".tsv")):
                 shutil.copy2(os.path.join(ROOT, folder, source), repo / folder / source)
     for name in ["run.sh", "train_gpt.py", "requirements.txt"]:
         shutil.copy2(os.path.join(ROOT, name), repo / name)
@@ -248,7 +248,7 @@ def repo_copy(tmp_path):
 def test_run_sh_refuses_a_bad_runs_value_before_any_data_work(tmp_path):
     """run.sh asks the driver before its data step (the driver's check of 0, -1 and x is tested above)."""
     repo, env = repo_copy(tmp_path)
-    r = subprocess.run([str(repo / "run.sh"), "--runs", "-1", "--num-iterations", "5"], cwd=tmp_path, env=env,
+    r = subprocess.run([str(repo / "run.sh"), "--runs", "-1", "--num-scheduled-iterations", "5"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "--runs must be a whole number of runs, at least 1 (got '-1')" in r.stderr
@@ -271,6 +271,26 @@ def test_run_sh_hands_runs_to_the_driver_with_its_data_flags(tmp_path, fake):
             f"'data/synthetic/synthetic_val_*.bin', '--templates', '{templates}', '--records-dir', '{records}', "
             f"'--seed', '4']") in r.stdout
     assert "attempt verdict: python records/attempt.py --train-files" in r.stdout and "runs: 2 (2 JAX" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with GPUs run.sh downloads 8 FineWeb shards")
+def test_run_sh_script_runs_another_script_once_with_the_data_flags(tmp_path, fake):
+    """./run.sh --script PATH (no --runs): PATH once, with run.sh's data flags and the other options;
+    a missing script exits 2 before any data work."""
+    repo, env = repo_copy(tmp_path)
+    (repo / "data" / "synthetic").mkdir()
+    (repo / "data" / "synthetic" / "synthetic_val_000000.bin").touch()  # a complete set: nothing generated
+    script, templates, records = fake(finished={5: 3.27})
+    r = subprocess.run([str(repo / "run.sh"), "--script", script, "--templates", templates, "--records-dir", records,
+                        "--seed", "5"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (f"argv: ['--train-files', 'data/synthetic/synthetic_train_*.bin', '--val-files', "
+            f"'data/synthetic/synthetic_val_*.bin', '--templates', '{templates}', '--records-dir', '{records}', "
+            f"'--seed', '5']") in r.stdout
+    assert "attempt" not in r.stdout and len(list((tmp_path / "records").glob("*.txt"))) == 1
+    r = subprocess.run([str(repo / "run.sh"), "--script", str(tmp_path / "nothing.py")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"--script {tmp_path / 'nothing.py'}: no such file" in r.stderr
 
 
 # ---- what the verdict adds to stats.py
@@ -299,7 +319,7 @@ def test_stats_prints_the_spread_beside_record_20_and_the_runs_needed(tmp_path, 
     out = capsys.readouterr().out
     mean, std = statistics.mean(losses), statistics.stdev(losses)
     n = stats.runs_needed(mean, std, 3.28, 0.01)
-    assert f"spread: std {std:.4f}; record 20's: 0.0018 over its 32 runs\n" in out
+    assert f"spread: std {std:.4f}; record 89's: 0.0014 over its 13 runs\n" in out
     assert (f"runs needed: {n} for the record test to pass at p<0.01 with 80% probability, if the runs' true mean "
             f"and std are {mean:.4f} and {std:.4f}") in out
 
@@ -391,7 +411,7 @@ def test_the_time_test_refuses_other_devices_and_other_clocks(tmp_path, capsys):
             f"({torch[0]}); no time test") in out and "training time on" not in out
     assert stats.main(cpu + ["--against"] + gpu) == 0
     assert "times not comparable: the runs ran on different devices: 1 x cpu" in capsys.readouterr().out
-    short = [write_log(tmp_path / f"short{i}.txt", dataclasses.replace(HP, num_iterations=8, val_loss_every=4, seed=i),
+    short = [write_log(tmp_path / f"short{i}.txt", hp_with(8, val_loss_every=4, seed=i),
                        [10.8, 4, x], 100.0) for i, x in enumerate([3.27, 3.28])]
     for path in short:  # on the H100 of the PyTorch logs, but 8 steps: no step line 10 for their clock
         edit(path, "Devices: 1 x cpu (cpu)", "Devices: 1 x NVIDIA H100 80GB HBM3 (gpu)")

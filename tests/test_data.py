@@ -342,10 +342,10 @@ def test_run_sh_help_answers_before_any_data_work(tmp_path):
     venv_bin = os.path.dirname(sys.executable)
     env = dict(os.environ, VIRTUAL_ENV=os.path.dirname(venv_bin), PATH=venv_bin + os.pathsep + os.environ["PATH"],
                HF_HUB_OFFLINE="1", PIP_NO_INDEX="1")  # the packages are here already: no network needed
-    r = subprocess.run([str(repo / "run.sh"), "--num-iterations", "5", "--help"], cwd=tmp_path, env=env,
+    r = subprocess.run([str(repo / "run.sh"), "--num-scheduled-iterations", "5", "--help"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("usage: ./run.sh [train_gpt.py options]")
-    assert "--num-iterations" in r.stdout and "--train-files" in r.stdout  # train_gpt.py --help
+    assert r.stdout.startswith("usage: ./run.sh [--script PATH] [train_gpt.py options]")
+    assert "--num-scheduled-iterations" in r.stdout and "--stage-batch-sizes" in r.stdout  # train_gpt.py --help
     assert list(repo.rglob("*.bin")) == [] and not (repo / "data" / "fineweb10B").exists()
     assert not (repo / "data" / "synthetic").exists()

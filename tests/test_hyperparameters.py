@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import pytest
 
 import train_gpt as tg
@@ -13,31 +12,23 @@ import train_gpt as tg
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BAD = [  # (overrides, the flag the message must name)
-    ({"num_iterations": 0}, "--num-iterations"),
-    ({"num_iterations": -5}, "--num-iterations"),
-    ({"num_heads": 0, "model_dim": 0}, "--model-dim"),
-    ({"model_dim": 700}, "--model-dim"),
-    ({"vocab_size": 0}, "--vocab-size"),
-    ({"vocab_size": -3}, "--vocab-size"),
-    ({"seq_len": 0}, "--seq-len"),
-    ({"seq_len": -512}, "--seq-len"),
-    ({"seq_len": 1000}, "--seq-len"),
-    ({"batch_size": 0}, "--batch-size"),
-    ({"batch_size": -2048}, "--batch-size"),
-    ({"batch_size": 3 * 512 + 128}, "--batch-size"),
-    ({"val_tokens": 0}, "--val-tokens"),
-    ({"val_tokens": 3000}, "--val-tokens"),
-    ({"num_layers": 5}, "--num-layers"),
-    ({"num_layers": 4}, "--num-layers"),
+    ({"head_dim": 12}, "--head-dim"),
+    ({"head_dim": 8}, "--head-dim"),
+    ({"num_scheduled_iterations": 2}, "--num-scheduled-iterations"),
+    ({"num_extension_iterations": -1}, "--num-extension-iterations"),
     ({"cooldown_frac": 0.0}, "--cooldown-frac"),
     ({"cooldown_frac": 1.5}, "--cooldown-frac"),
-    ({"final_lr_frac": -0.1}, "--final-lr-frac"),
-    ({"muon_lr": -1.0}, "--muon-lr"),
-    ({"embed_lr": float("nan")}, "--embed-lr"),
-    ({"muon_momentum_warmup_steps": -1}, "--muon-momentum-warmup-steps"),
-    ({"window_tokens": -1}, "--window-tokens"),
-    ({"val_loss_every": -1}, "--val-loss-every"),
     ({"attention": "flash"}, "--attention"),
+    ({"bos_id": 50257}, "--bos-id"),
+    ({"bos_id": -1}, "--bos-id"),
+    ({"val_tokens": 3000}, "--val-tokens"),
+    ({"val_batch_size": 1000}, "--val-batch-size"),
+    ({"vocab_size": 0}, "--vocab-size"),
+    ({"val_loss_every": -1}, "--val-loss-every"),
+    ({"muon_lr": -1.0}, "--muon-lr"),
+    ({"adam_lr": float("nan")}, "--adam-lr"),
+    ({"muon_momentum_warmup_steps": -1}, "--muon-momentum-warmup-steps"),
+    ({"fp8_bootstrap_steps": -1}, "--fp8-bootstrap-steps"),
     ({"train_files": ""}, "--train-files"),
 ]
 
@@ -53,21 +44,29 @@ def test_presets_pass_their_own_rules():
         dataclasses.replace(hp)  # re-runs __post_init__
 
 
-def test_zero_warmup_steps_means_full_momentum_from_the_start():
-    hp = dataclasses.replace(tg.PRESETS["cpu"], muon_momentum_warmup_steps=0)
-    for step in (0, 1, 500):
-        assert float(tg.muon_momentum(jnp.int32(step), hp)) == pytest.approx(0.95)
-    hp = tg.PRESETS["record"]
-    assert [round(float(tg.muon_momentum(jnp.int32(s), hp)), 4) for s in (0, 150, 300)] == [0.85, 0.9, 0.95]
-
-
-@pytest.mark.parametrize("argv", [["--num-iterations", "0"], ["--seq-len", "-512"], ["--val-loss-every", "-1"],
-                                  ["--batch-size", "-2048"]])
-def test_bad_flags_exit_2_before_any_work(argv, tmp_path, capsys):
+@pytest.mark.parametrize("argv, expect", [
+    (["--num-scheduled-iterations", "0"], "error: bad hyperparameters"),
+    (["--head-dim", "12"], "error: bad hyperparameters"),
+    (["--val-loss-every", "-1"], "error: bad hyperparameters"),
+    (["--stage-batch-sizes", "1024,1024"], "--stage-batch-sizes '1024,1024': give 4 comma-separated integers"),
+    (["--stage-batch-sizes", "1000,1024,1024,1024"], "stage 0: batch 1000 must split into 8 ranks"),
+    (["--stage-max-seq-lens", "128,x,128,128"], "--stage-max-seq-lens '128,x,128,128': give 4"),
+])
+def test_bad_flags_exit_2_before_any_work(argv, expect, tmp_path, capsys):
     assert tg.main([*argv, "--records-dir", str(tmp_path / "records")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: bad hyperparameters") and argv[0] in err
+    assert err.startswith("error: ") and expect in err and "Traceback" not in err, err
     assert not (tmp_path / "records").exists()
+
+
+def test_stage_flags_change_only_their_field():
+    args, overrides = tg.parse_args(["--stage-batch-sizes", "1024,2048,3072,3072", "--stage-max-seq-lens",
+                                     "128,256,256,512"])
+    hp = tg.with_stage_flags(dataclasses.replace(tg.PRESETS["cpu"], **overrides), args)
+    assert [s.batch_size for s in hp.stages] == [1024, 2048, 3072, 3072]
+    assert [s.max_seq_len for s in hp.stages] == [128, 256, 256, 512]
+    for new, old in zip(hp.stages, tg.PRESETS["cpu"].stages):
+        assert dataclasses.replace(new, batch_size=old.batch_size, max_seq_len=old.max_seq_len) == old
 
 
 def test_a_copy_of_the_script_runs_alone_and_import_has_no_side_effects(tmp_path):
@@ -83,3 +82,13 @@ def test_a_copy_of_the_script_runs_alone_and_import_has_no_side_effects(tmp_path
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=copy.parent, env=env,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_gpt2_vocabulary_is_found_next_to_the_script_or_in_the_current_folder(tmp_path, monkeypatch):
+    assert tg.gpt2_vocab() == os.path.join(ROOT, "data", "gpt2.tiktoken")  # next to the script
+    monkeypatch.setattr(tg, "__file__", str(tmp_path / "copy.py"))
+    monkeypatch.chdir(ROOT)
+    assert tg.gpt2_vocab() == os.path.join(ROOT, "data", "gpt2.tiktoken")  # a copy elsewhere, run from the repository
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(tg.DataError, match="data/gpt2.tiktoken"):
+        tg.gpt2_vocab()
