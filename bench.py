@@ -1,7 +1,7 @@
 """Where the time goes: benchmarks of train_gpt.py's pieces on the current JAX backend.
 
   python bench.py --suite [--profile DIR] [--out PATH]  # the whole picture: one table, then one JSON line
-  python bench.py                                       # model forward+backward of one chunk, last stage
+  python bench.py                                       # model forward+backward of one chunk per stage shape
   python bench.py --attention pallas                    # the same with the fused attention kernels
 
 Shapes: the record preset on a GPU; elsewhere `tiny` (the cpu preset's model, head size 16, with a

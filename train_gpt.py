@@ -2363,7 +2363,7 @@ def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:
 
 # -----------------------------------------------------------------------------
 # 9 Command line: every scalar Hyperparameters field is a flag (--num-scheduled-iterations 200, ...);
-# the stage table comes from the preset.
+# the stage table comes from the preset, its batch sizes and document lengths also from two flags.
 
 
 def parse_args(argv=None):

@@ -2,7 +2,7 @@
 
 - ours, written by train_gpt.py (README.md, "Record logs"): source, a line of 100 '=', environment,
   '=', `Hyperparameters (preset NAME):` + JSON, '=', compile/step lines, `summary ...`, `run complete`;
-- the PyTorch speedrun's (KellerJordan/modded-nanogpt, records 18-22): source, '=', `Running Python`,
+- the PyTorch speedrun's (KellerJordan/modded-nanogpt, records 18-22 and 89): source, '=', `Running Python`,
   `Running PyTorch`, nvidia-smi, '=', step lines, `peak memory allocated: N MiB reserved: M MiB`.
   Its hyperparameters are the defaults of the source's `Hyperparameters` dataclass, read with `ast`
   (literals and simple arithmetic only; nothing is executed). Its clock restarts after the first

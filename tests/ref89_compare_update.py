@@ -31,6 +31,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -192,7 +193,7 @@ def main():
     ap.add_argument("--weights", required=True, help="W.npz (moved off init: e.g. ref89 `step` of the init at step 1)")
     ap.add_argument("--tokens", required=True, help="T.npy (ref89 `tokens`)")
     ap.add_argument("--steps", default="1,423,847,1271")
-    ap.add_argument("--workdir", required=True, help="where the 2.6 GB G/S files go (deleted after each step)")
+    ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the 2.6 GB G/S files go (deleted after each step)")
     ap.add_argument("--keep", action="store_true", help="keep G<N>.npz and S<N>.npz (and reuse them if present)")
     a = ap.parse_args()
     results = {}

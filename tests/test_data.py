@@ -271,6 +271,25 @@ def test_synthetic_shards_are_deterministic_and_learnable(tmp_path):
     assert cross_entropy < 0.5 * np.log(V)
 
 
+def test_synthetic_fineweb_like_options_set_document_length_and_a_zipf_like_vocabulary(tmp_path, capsys):
+    """--mean-doc-len 1000 --vocab 50257: documents of ~1,000 tokens; most GPT-2 ids in use, with
+    frequencies that fall by rank (the default model uses 2,048 ids about evenly)."""
+    synthetic.main(["--out", str(tmp_path / "z"), "--train-tokens", "1000000", "--val-tokens", "1000", "--mean-doc-len",
+                    "1000", "--vocab", "50257", "--seed", str(int(np.random.default_rng().integers(1 << 20)))])
+    tokens = np.asarray(open_shard(str(tmp_path / "z" / "synthetic_train_000001.bin")), np.int64)
+    assert 700 < 1 / np.mean(tokens == EOT) < 1400  # mean document length
+    counts = np.sort(np.bincount(tokens[tokens != EOT], minlength=EOT))[::-1]
+    assert np.count_nonzero(counts) > 20_000  # a default-model shard holds at most 2,048 ids
+    assert counts[0] > 30 * counts[1000] > 0  # Zipf-like: the commonest ids far above the thousandth
+    default = np.asarray(synthetic.synthetic_tokens(1_000_000, 0), np.int64)
+    assert len(np.unique(default)) <= 2049
+    for bad in (["--vocab", "50258"], ["--vocab", "2"], ["--mean-doc-len", "0"]):
+        with pytest.raises(SystemExit) as e:
+            synthetic.main(["--out", str(tmp_path / "bad"), *bad])
+        assert e.value.code == 2 and bad[0] in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_synthetic_refuses_a_folder_with_shards_and_touches_nothing(tmp_path, capsys):
     out = tmp_path / "syn"
     synthetic.main(["--out", str(out), "--train-tokens", "3000", "--val-tokens", "500", "--shard-tokens", "1500"])

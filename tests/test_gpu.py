@@ -705,6 +705,23 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# The session script (tests/gpu/session.sh): pieces under timeouts, output kept in $OUT
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the lane piece is the real lane, minutes long")
+def test_session_script_keeps_each_pieces_output_and_refuses_unknown_pieces(tmp_path):
+    script = os.path.join(ROOT, "tests", "gpu", "session.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "GPU_LANE_ON_CPU": "0"}
+    r = subprocess.run([script, "nope"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "unknown piece nope" in r.stderr
+    r = subprocess.run([script, "lane"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr  # without a GPU the lane's cases skip
+    summary = (tmp_path / "out" / "session.txt").read_text()
+    assert "== lane" in summary and "== lane: exit 0" in summary
+    assert "skipped" in (tmp_path / "out" / "lane.log").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
 
 CASES = {"train": (case_train, (str, int, str)), "hlo": (case_hlo, (str, int, str)),
          "attention": (case_attention, (str, int, int, int))}

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU session's measurements (issue 34), one piece per process, each under `timeout`, all output
+# teed to $OUT (default ./gpu-out): run from the repository root on the GPU machine, which has
+# python3 with jax and no network. A device call lasts at most 10 minutes: name the pieces that fit.
+#
+#   tests/gpu/session.sh lane short-xla             # call 1: the GPU lane, then the short run
+#   tests/gpu/session.sh short-pallas short-record20 bench
+#
+# Pieces:
+#   lane            python3 -m pytest -q tests/test_gpu.py                                  (limit 420 s)
+#   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas): the record
+#                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validation
+#                   only at the end on the full 10,485,760 tokens, a cold compile cache   (limit 360 s)
+#   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
+#   bench           python3 bench.py --suite --profile $OUT/profile                          (limit 540 s)
+# The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
+# --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
+# once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
+# tokens_per_s, compile_s) of the record logs in $OUT/rec.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+DATA=${GPU_SESSION_DATA:-}
+status=0
+
+say() { echo "$*" | tee -a "$OUT/session.txt"; }
+
+piece() {  # piece NAME LIMIT_S COMMAND...: run it, keep its whole output, say how it ended
+    local name=$1 limit=$2
+    shift 2
+    say "== $name ($(date -u +%H:%M:%S)): $*"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    [ "$rc" = 124 ] && say "== $name: timed out after ${limit}s"
+    say "== $name: exit $rc"
+    tail -n 15 "$OUT/$name.log" | tee -a "$OUT/session.txt"
+    [ "$rc" = 0 ] || status=1
+}
+
+shards() {  # the short runs' data, written once
+    if [ -z "$DATA" ]; then
+        DATA=$(mktemp -d)
+        piece synthetic 300 "$PY" data/synthetic.py --out "$DATA" --train-tokens 20000000 --val-tokens 10485762 \
+            --mean-doc-len 1000 --vocab 50257
+    fi
+}
+
+for p in "$@"; do
+    case "$p" in
+        lane) piece lane 420 "$PY" -m pytest -q tests/test_gpu.py -k "not session_script" ;;  # (that test runs this)
+        short-xla|short-pallas)
+            shards
+            piece "$p" 360 "$PY" train_gpt.py --preset record --attention "${p#short-}" \
+                --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
+                --num-scheduled-iterations 27 --num-extension-iterations 3 --val-loss-every 0 \
+                --records-dir "$OUT/rec" --compile-cache-dir "" ;;
+        short-record20)
+            shards
+            piece "$p" 360 "$PY" records/record20/train_gpt.py --preset record --num-iterations 30 --val-loss-every 0 \
+                --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
+                --records-dir "$OUT/rec" --compile-cache-dir "" ;;
+        bench) piece bench 540 "$PY" bench.py --suite --profile "$OUT/profile" --out "$OUT/suite.txt" ;;
+        *) echo "tests/gpu/session.sh: unknown piece $p (lane, short-xla, short-pallas, short-record20, bench)" >&2
+           exit 2 ;;
+    esac
+done
+exit $status
