@@ -3,6 +3,7 @@
   python bench.py --suite [--profile DIR] [--out PATH]  # the whole picture: one table, then one JSON line
   python bench.py                                       # model forward+backward of one chunk per stage shape
   python bench.py --attention pallas                    # the same with the fused attention kernels
+  python bench.py --sweep fwd:128/8/2,dq:64/4/3         # the Pallas kernels' tiles, warps, stages: a row each
 
 Shapes: the record preset on a GPU; elsewhere `tiny` (the cpu preset's model, head size 16, with a
 8,192-token vocabulary and chunks of 512 tokens in every stage). `--preset smoke` is the smallest shape
@@ -613,6 +614,65 @@ def report_lines(result: dict, table: Table) -> list:
 
 
 # -----------------------------------------------------------------------------
+# The Pallas kernels' tuning sweep: one row per configuration
+
+
+def parse_sweep(text: str) -> list:
+    """"fwd:128/8/2,dq:64/4/3,..." -> [(kernel, KernelTuning)]; raises ValueError naming the bad item."""
+    configs = []
+    for item in text.split(","):
+        try:
+            kernel, knobs = item.split(":")
+            tile, warps, stages = (int(v) for v in knobs.split("/"))
+            if kernel not in ("fwd", "dq", "dkv") or warps < 1 or stages < 1:
+                raise ValueError
+            configs.append((kernel, tg.KernelTuning(tile, warps, stages)))
+        except ValueError:
+            raise ValueError(f"--sweep item {item!r}: write KERNEL:TILE/WARPS/STAGES with KERNEL fwd, dq or dkv, "
+                             f"TILE 16, 32, 64 or 128, e.g. fwd:128/8/2") from None
+    return configs
+
+
+def sweep_rows(table, hp, configs, repeats):
+    """Each configuration's kernel at the last stage's chunk (6 heads), at its short and long window:
+    fwd alone for the forward kernel; the backward (dq and dk/dv kernels, the other at its default)
+    for dq and dkv. A configuration that fails to compile or run is reported and the others go on."""
+    rng = np.random.default_rng(0)
+    first = tg.stage_bounds(hp)[-2][0]
+    T, H, K = tg.stage_shape(first, hp)[0], tg.NUM_HEADS, hp.head_dim
+    inputs, _ = sample_chunks(rng, hp, 1, T)
+    docs_T = documents(inputs, hp.bos_id)[0]
+    docs = jnp.asarray(docs_T, jnp.int32)
+    q, k, v, dout = (jnp.asarray(rng.standard_normal((T, H, K)), jnp.bfloat16) for _ in range(4))
+    scale = jnp.float32(0.1)
+    errors = []
+    for kernel, tuning in configs:
+        name = f"pallas {kernel} tile {tuning.tile} warps {tuning.num_warps} stages {tuning.num_stages}"
+        try:
+            # the arrays are arguments, not constants baked into the program
+            if kernel == "fwd":
+                fn = jax.jit(lambda q, k, v, docs, w, t=tuning: tg._pallas_forward(q, k, v, docs, w, scale, t))
+                args = (q, k, v, docs)
+            else:
+                out, lse = jax.jit(lambda q, k, v, docs: tg._pallas_forward(q, k, v, docs, 1, scale))(q, k, v, docs)
+                knobs = {"dq_tuning": tuning} if kernel == "dq" else {"dkv_tuning": tuning}
+                fn = jax.jit(lambda q, k, v, docs, out, lse, dout, w, kw=knobs: tg._pallas_backward(
+                    q, k, v, docs, w, scale, out, lse, dout, **kw))
+                args = (q, k, v, docs, out, lse, dout)
+            compiled, compile_s = compile_timed(fn, *args, jnp.int32(1))
+            for i, w in enumerate(sorted({int(x) for x in tg.windows(first, hp)})):
+                sec = seconds_per_call(compiled, (*args, jnp.int32(w)), repeats, warm_up=i == 0)
+                per_pair = 4 if kernel == "fwd" else 8
+                table.add(f"{name} W={w}", sec, tokens=T, flops=per_pair * K * H * attention_pairs(docs_T, w),
+                          compiled=compiled, compile_s=compile_s,
+                          note="forward kernel" if kernel == "fwd" else "backward: dq + dk/dv kernels")
+        except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
+            errors.append({"section": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"bench: {name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+    return errors
+
+
+# -----------------------------------------------------------------------------
 # The single benchmark and the command line
 
 
@@ -628,7 +688,11 @@ def model_mode(hp, args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", action="store_true", help="the whole picture: compile, train steps, model, parts")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--suite", action="store_true", help="the whole picture: compile, train steps, model, parts")
+    mode.add_argument("--sweep", metavar="CONFIGS", help="the Pallas kernels' tuning: KERNEL:TILE/WARPS/STAGES items, "
+                      "comma-separated (KERNEL fwd, dq or dkv), each timed at the last stage's windows, e.g. "
+                      "fwd:128/8/2,fwd:64/4/3,dq:64/8/2,dkv:32/4/2")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--attention", default="xla", choices=sorted(tg.ATTENTION),
@@ -642,6 +706,11 @@ def parse_args(argv=None):
         parser.error("--profile needs --suite")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
+    if args.sweep:
+        try:
+            args.sweep = parse_sweep(args.sweep)
+        except ValueError as e:
+            parser.error(str(e))
     return args
 
 
@@ -677,6 +746,13 @@ def main(argv=None) -> int:
         finally:
             shutil.rmtree(cache_dir, ignore_errors=True)
         lines = report_lines(result, table)
+    elif args.sweep:
+        table = Table(args.peak_tflops)
+        errors = sweep_rows(table, hp, args.sweep, args.repeats)
+        result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": table.rows,
+                  "errors": errors}
+        lines = [f"Pallas tuning sweep: preset {preset}, {result['device']}, jax {jax.__version__}", *table.lines(),
+                 *(f"FAILED {e['section']}: {e['error'].splitlines()[0][:300]}" for e in errors)]
     else:
         table = model_mode(hp, args)
         result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": table.rows}

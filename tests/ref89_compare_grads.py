@@ -1,7 +1,7 @@
 """Gradients of the port against the PyTorch record-89 reference (ref89.py), outside the suite.
 
     python tests/ref89_compare_grads.py --ref89 PATH/ref89.py --torch-python PATH/python \
-        --weights W.npz --tokens T.npy --steps 1,423,847,1271 [--workdir DIR] [--jitter-rel 2e-3] [--eager-rounding]
+        --weights W.npz --tokens T.npy --steps 1,423,847,1271 [--workdir DIR] [--jitter-rel 2e-3] [--jitter-seed 0] [--eager-rounding]
 
 For each step: ref89 `grads` on W (G), ref89 `jitter` of W then `grads` on it (GJ: the reference's
 own noise under half-a-bf16-step changes), and the port's gradients (P). Per parameter (banks per
@@ -122,6 +122,7 @@ def main():
     ap = parser(__doc__)
     ap.add_argument("--steps", default="1,423,847,1271")
     ap.add_argument("--jitter-rel", type=float, default=2e-3)
+    ap.add_argument("--jitter-seed", type=int, default=0, help="another sample of the reference's noise")
     ap.add_argument("--verbose", action="store_true", help="print every piece, not only the summary per parameter")
     ap.add_argument("--eager-rounding", action="store_true", help="the port with ref89's eager residual rounding")
     a = ap.parse_args()
@@ -129,7 +130,7 @@ def main():
     hp = port.PRESETS["record"]
     ref = [a.torch_python, a.ref89]
     wj = os.path.join(a.workdir, "cmp_grads_jitter.npz")
-    run([*ref, "jitter", a.weights, wj, "--rel", str(a.jitter_rel)])
+    run([*ref, "jitter", a.weights, wj, "--rel", str(a.jitter_rel), "--seed", str(a.jitter_seed)])
     tokens = np.load(a.tokens)
     failures = 0
     for step in [int(s) for s in a.steps.split(",")]:

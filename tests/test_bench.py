@@ -152,6 +152,23 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
     assert "cannot write" in capsys.readouterr().err
 
 
+def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
+    out = tmp_path / "sweep.txt"
+    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2", "--repeats", "1", "--out",
+                       str(out)]) == 0
+    table, line = out.read_text().rstrip("\n").rsplit("\n", 1)
+    result = json.loads(line)
+    hp = bench.PRESETS["smoke"]
+    windows = sorted({int(w) for w in tg.windows(tg.stage_bounds(hp)[-2][0], hp)})
+    assert set(result["rows"]) == {f"pallas {k} W={w}" for k in ("fwd tile 128 warps 8 stages 2",
+                                                                 "dq tile 64 warps 4 stages 2") for w in windows}
+    assert result["errors"] == [] and all(row["ms"] > 0 and row["gflop"] > 0 for row in result["rows"].values())
+    for bad in ("fwd:100/8/2", "fwd:128/8", "attn:64/4/2", "dq:64/0/2"):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--sweep", bad])
+        assert e.value.code == 2 and f"--sweep item {bad!r}" in capsys.readouterr().err
+
+
 # ---- the suite on CPU
 
 

@@ -13,6 +13,8 @@
 #                   only at the end on the full 10,485,760 tokens, a cold compile cache   (limit 360 s)
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
 #   bench           python3 bench.py --suite --profile $OUT/profile                          (limit 540 s)
+#   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
+#                   the record's last-stage chunk, a row each (default: SWEEP_DEFAULT below) (limit 540 s)
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
@@ -24,6 +26,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DATA=${GPU_SESSION_DATA:-}
+# the kernels' defaults (fwd 128/8/2, dq and dkv 64/8/2) and their neighbours
+SWEEP_DEFAULT=fwd:128/8/2,fwd:128/4/3,fwd:64/4/2,fwd:64/8/3,dq:64/8/2,dq:64/4/3,dq:32/4/2,dq:128/8/2,dkv:64/8/2,dkv:64/4/3,dkv:32/4/2,dkv:128/8/2
 status=0
 
 say() { echo "$*" | tee -a "$OUT/session.txt"; }
@@ -63,7 +67,8 @@ for p in "$@"; do
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
                 --records-dir "$OUT/rec" --compile-cache-dir "" ;;
         bench) piece bench 540 "$PY" bench.py --suite --profile "$OUT/profile" --out "$OUT/suite.txt" ;;
-        *) echo "tests/gpu/session.sh: unknown piece $p (lane, short-xla, short-pallas, short-record20, bench)" >&2
+        sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$OUT/sweep.txt" ;;
+        *) echo "tests/gpu/session.sh: unknown piece $p (lane, short-xla, short-pallas, short-record20, bench, sweep)" >&2
            exit 2 ;;
     esac
 done
