@@ -163,6 +163,10 @@ def test_compare_plot_is_a_png_with_both_runs_and_the_baseline(tmp_path, capsys)
     assert "  record20" in capsys.readouterr().out  # the table's baseline column
     baseline = compare.load_baseline("record20")
     assert baseline[0] == (0, 10.8258, 0.0) and baseline[-1] == (1393, 3.2785, 179527.0) and len(baseline) == 13
+    # record 89's: the mean of its 13 published logs (1390 steps; their final losses average 3.2784)
+    assert compare.load_baseline("record89") == [(0, 10.8306, 0.0), (250, 4.4616, 7947.0), (500, 4.159, 16844.0),
+                                                 (750, 3.7363, 31089.0), (1000, 3.4632, 47386.0),
+                                                 (1250, 3.3337, 68059.0), (1390, 3.2784, 79685.0)]
     fig = compare.plot(parse_log(a), parse_log(b), str(out), baseline, "record20")
     # two runs and the baseline in each panel of the whole curves, and in the decisive panel with the target line
     assert [len(ax.lines) for ax in fig.axes] == [3, 3, 3, 4]
