@@ -47,6 +47,7 @@ SAME_MEANING = {
     "num_scheduled_iterations": ("num_scheduled_iterations",),  # record 89: the schedule's steps ...
     "num_extension_iterations": ("num_extension_iterations",),  # ... then these at the final lr
     "bigram_vocab_size": ("bigram_vocab_size",),
+    "bigram_sign_rows": ("bigram_sign_table_rows",),
     "cooldown_frac": ("cooldown_frac",),
     "val_loss_every": ("val_loss_every",),
     "vocab_size": ("vocab_size",),

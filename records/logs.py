@@ -174,11 +174,17 @@ def simple_value(node: ast.AST):
     raise _NotSimple
 
 
+# Later PyTorch records print more files after the script: a line of 40 '-', `# triton_kernels.py`, a
+# line of 40 '-', then that file's code. The hyperparameters are the script's, the first file.
+FILE_BLOCK = re.compile(r"^-{40}\n# \S+\n-{40}$", re.M)
+
+
 def dataclass_hyperparameters(source: str, path: str) -> dict:
     """name -> default of each `name = value` / `name: type = value` line of the source's first
-    `class Hyperparameters` ({} if it has none); a default that is not simple stays an Expression."""
+    `class Hyperparameters` ({} if it has none); a default that is not simple stays an Expression.
+    Only the first file of the embedded source is read (FILE_BLOCK)."""
     try:
-        tree = ast.parse(source)
+        tree = ast.parse(FILE_BLOCK.split(source, maxsplit=1)[0])
     except SyntaxError as e:
         raise LogError(f"{path}: the embedded source is not valid Python (line {e.lineno}: {e.msg}); "
                        f"was the log edited?") from None

@@ -151,13 +151,18 @@ def torch_script(N=40, every=10, hyperparameters=TORCH_HYPERPARAMETERS):
     return TORCH_SCRIPT.format(hyperparameters=hyperparameters.format(N=N, every=every))
 
 
+# record 89's logs print the script's helper files after it, each under a header of its own
+TORCH_89_EXTRA_FILE = ("\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + "\n\nimport triton\n\n\n"
+                       "@triton.jit\ndef kernel(x_ptr, n: tl.constexpr\n")  # (a file cut at its end: not Python)
+
+
 def write_torch_log(path, val_losses, N=40, every=10, step_ms=120.0, compile_ms=17000.0,
-                    hyperparameters=TORCH_HYPERPARAMETERS, end="complete"):
+                    hyperparameters=TORCH_HYPERPARAMETERS, end="complete", extra_source=""):
     """A log as the PyTorch speedrun's script writes it: print(code), a rule, versions, nvidia-smi,
     a rule, then step lines whose clock restarts after step 10 (the first steps include
     compilation), val lines every `every` steps and at the end, and the peak memory. end: "complete",
     or where the file is cut off: "source", "environment" or "mid_run" (inside a step line)."""
-    script = torch_script(N, every, hyperparameters)
+    script = torch_script(N, every, hyperparameters) + extra_source
     text = (script + "\n" + RULE + "\nRunning Python 3.12.7 (main, Jan 17 2025, 03:57:17) [GCC 13.2.0]\n"
             "Running PyTorch 2.7.0.dev20250110+cu126 compiled for CUDA 12.6\n" + NVIDIA_SMI + "\n" + RULE + "\n")
     ms, val = 0.0, iter(val_losses)

@@ -20,8 +20,8 @@ from scipy import stats as scipy_stats  # noqa: E402
 
 import train_gpt as tg  # noqa: E402  (only for its Hyperparameters and source)
 from conftest import TINY_STEPS, TINY_VAL_STEPS, TINY_VOCAB  # noqa: E402
-from log_writers import (HP, NVIDIA_SMI, RULE, TORCH_0126_HYPERPARAMETERS, TORCH_89_HYPERPARAMETERS,  # noqa: E402
-                         random_curve, torch_script, val_line, write_log, write_torch_log)
+from log_writers import (HP, NVIDIA_SMI, RULE, TORCH_0126_HYPERPARAMETERS, TORCH_89_EXTRA_FILE,  # noqa: E402
+                         TORCH_89_HYPERPARAMETERS, random_curve, torch_script, val_line, write_log, write_torch_log)
 from records import compare, stats  # noqa: E402
 from records.logs import OURS, PYTORCH, Expression, LogError, parse_log, require_complete, simple_value  # noqa: E402
 
@@ -290,7 +290,8 @@ def test_compare_ours_with_a_pytorch_log(tmp_path, capsys):
     rng = np.random.default_rng()
     va, vb = random_curve(rng), random_curve(rng)
     a = write_log(tmp_path / "a.txt", HP, va, 100.0)
-    b = write_torch_log(tmp_path / "b.txt", vb, hyperparameters=TORCH_89_HYPERPARAMETERS)  # record 89's names
+    b = write_torch_log(tmp_path / "b.txt", vb, hyperparameters=TORCH_89_HYPERPARAMETERS,  # record 89's names
+                        extra_source=TORCH_89_EXTRA_FILE)  # and its helper files after the script
     assert compare.main([a, b]) == 0
     out = capsys.readouterr().out
     assert f"A: {a} (JAX train_gpt.py log, preset cpu, 40 steps)\nB: {b} (PyTorch speedrun log, 40 steps)\n" in out
