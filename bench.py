@@ -233,16 +233,6 @@ def fwd_bwd(f, n_diff: int):
     return jax.jit(run)
 
 
-def stage_firsts(hp) -> list:
-    """The first step of each stage whose program differs (stage shape), in order."""
-    seen, out = set(), []
-    for first, _ in tg.stage_bounds(hp):
-        if tg.stage_shape(first, hp) not in seen:
-            seen.add(tg.stage_shape(first, hp))
-            out.append(first)
-    return out
-
-
 # -----------------------------------------------------------------------------
 # The suite's parts
 
@@ -311,11 +301,10 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
 def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats, attention):
     """The model's loss and gradients for one chunk at each stage shape (training, FP8), its windows
     and schedule values; one compile per shape."""
-    names = list(tg.param_shapes(hp))
-    trainable = {k: params[k] for k in names}
-    buffers = {k: v for k, v in params.items() if k not in names}
+    trainable = tg.trainable(params, hp)
+    buffers = {k: v for k, v in params.items() if k not in trainable}
     prefix_V = jnp.asarray(tg.prefix_table(hp.padded_vocab))
-    for first in stage_firsts(hp):
+    for first in tg.program_steps(hp):
         T = tg.stage_shape(first, hp)[0]
         inputs, targets = jnp.asarray(inputs_RxT[0, :T]), jnp.asarray(targets_RxT[0, :T])
         a = tg.schedule_values(first, hp)
@@ -397,7 +386,7 @@ def train_rows(table, hp, mesh, rng, repeats):
     prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), replicated)
     programs, val_step, compile_s = compile_cold_and_warm(hp, mesh, state, prefix_V)
     ms, last = {}, None
-    for first in stage_firsts(hp):
+    for first in tg.program_steps(hp):
         shape = tg.stage_shape(first, hp)
         inputs, targets = sample_chunks(rng, hp, tg.RANKS, shape[0])
         x, y = (jax.device_put(a, by_chunk) for a in (inputs, targets))

@@ -14,32 +14,27 @@ attempt=0  # --runs N: a record attempt, handed to records/attempt.py
 script=train_gpt.py  # --script PATH: another training script (a copy, or records/record20/train_gpt.py)
 if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
     previous=""
+    rest=()  # the options without --script: what a single run passes on to the script
     for arg in "$@"; do
         case "$arg" in
             -h|--help) help=1 ;;
             --runs|--runs=*) attempt=1 ;;
-            --script=*) script="${arg#--script=}" ;;
         esac
-        if [ "$previous" = "--script" ]; then script="$arg"; fi
+        case "$previous/$arg" in
+            --script/*) script="$arg" ;;
+            */--script) ;;
+            */--script=*) script="${arg#--script=}" ;;
+            *) rest+=("$arg") ;;
+        esac
         previous="$arg"
     done
     if [ ! -f "$script" ]; then
         echo "run.sh: --script $script: no such file (relative paths start at $(pwd))" >&2
         exit 2
     fi
-fi
-if [ "$attempt" = 0 ] && [ "${1:-}" != "test" ]; then  # one run: --script is run.sh's, the rest the script's
-    rest=()
-    skip=0
-    for arg in "$@"; do
-        if [ "$skip" = 1 ]; then skip=0; continue; fi
-        case "$arg" in
-            --script) skip=1 ;;
-            --script=*) ;;
-            *) rest+=("$arg") ;;
-        esac
-    done
-    set -- ${rest[@]+"${rest[@]}"}
+    if [ "$attempt" = 0 ]; then  # a record attempt hands --script to records/attempt.py instead
+        set -- ${rest[@]+"${rest[@]}"}
+    fi
 fi
 if [ "$help" = 1 ]; then  # printed before set-up; help never downloads or writes shards
     cat <<'EOF'

@@ -1085,8 +1085,8 @@ def train_grads(params: dict, tokens, hp: Hyperparameters, step: int) -> tuple:
     """(gradients of sum(per-token losses) x grad scale by parameter name, that loss) for one flat token
     array at schedule step `step` in training mode, as ref89's `grads` computes them."""
     inputs, targets, _ = padded_sequence(tokens, hp.bos_id)
-    names = list(param_shapes(hp))
-    return _jit_grads({k: params[k] for k in names}, {k: v for k, v in params.items() if k not in names},
+    train = trainable(params, hp)
+    return _jit_grads(train, {k: v for k, v in params.items() if k not in train},
                       inputs, targets, schedule_values(step, hp), *training_inputs(params, targets, step, hp))
 
 
@@ -2140,6 +2140,16 @@ def stage_shape(step: int, hp: Hyperparameters) -> tuple:
     return s.batch_size // RANKS, len(s.mtp_start)
 
 
+def program_steps(hp: Hyperparameters) -> list:
+    """The first step of each stage whose train program is new (a stage shape not seen before), in order."""
+    firsts, shapes = [], set()
+    for first, _ in stage_bounds(hp):
+        if stage_shape(first, hp) not in shapes:
+            shapes.add(stage_shape(first, hp))
+            firsts.append(first)
+    return firsts
+
+
 VAL_KEYS = ("window_short", "window_long", "freq", "scale", "bos")  # the forward values validation reads
 
 
@@ -2148,13 +2158,12 @@ def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pr
     train_step, val_step = make_train_step(hp, mesh), make_val_step(hp, mesh)
     by_chunk = NamedSharding(mesh, P("dp"))
     programs = {}
-    for first, _ in stage_bounds(hp):
+    for first in program_steps(hp):
         shape = stage_shape(first, hp)
-        if shape not in programs:
-            batch = jax.ShapeDtypeStruct((RANKS, shape[0]), jnp.int32, sharding=by_chunk)
-            a, sv, bootstrap = step_inputs(first, hp)
-            programs[shape] = train_step.lower(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap,
-                                               prefix_V).compile()
+        batch = jax.ShapeDtypeStruct((RANKS, shape[0]), jnp.int32, sharding=by_chunk)
+        a, sv, bootstrap = step_inputs(first, hp)
+        programs[shape] = train_step.lower(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap,
+                                           prefix_V).compile()
     val_batch = jax.ShapeDtypeStruct((RANKS, hp.val_batch_size // RANKS), jnp.int32, sharding=by_chunk)
     a = {k: v for k, v in schedule_values(0, hp).items() if k in VAL_KEYS}
     return programs, val_step.lower(params, buffers, val_batch, val_batch, a).compile()

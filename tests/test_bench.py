@@ -63,7 +63,7 @@ def test_polar_express_flops_match_xla_cost_analysis():
 
 def test_estimated_run_takes_each_step_at_its_stage_programs_time():
     hp = tg.PRESETS["cpu"]  # stages at 0, 8, 16, 24 (+3 extension steps sharing stage 2's shape)
-    firsts = bench.stage_firsts(hp)
+    firsts = tg.program_steps(hp)
     assert firsts == [0, 8, 16]
     assert bench.estimated_run_s(hp, {0: 100.0, 8: 200.0, 16: 300.0}) == pytest.approx((8 * 100 + 8 * 200 + 11 * 300) / 1e3)
 
@@ -196,7 +196,7 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
     assert t["estimated_run_s"] > 0 and t["ms_pipelined_last_stage"] > 0 and t["tokens_per_s_last_stage"] > 0
 
     rows = result["rows"]
-    assert bench.stage_firsts(hp) == [0]
+    assert tg.program_steps(hp) == [0]
     windows = sorted({tuple(int(w) for w in tg.windows(first, hp)) for first, _ in tg.stage_bounds(hp)})
     assert len(windows) == 4  # every stage's windows, although one program serves them
     expected = ["validation step (final windows)", "MLP fp8 (one layer)", "head + loss fp8 (MTP, prefix)",
