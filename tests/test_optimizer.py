@@ -107,7 +107,7 @@ def test_polar_express_against_float64(shape, split):
     assert tg.POLAR_EXPRESS_COEFFS == tuple(COEFFS)
     rng = np.random.default_rng()
     # singular values in [0.3, 1] (along tiny ones the iteration amplifies rounding differences ~1000x)
-    n, k = shape[0], min(shape[-2:])
+    n, k = 4 * shape[0], min(shape[-2:])  # 32 matrices: the means below vary little between draws
     U, _ = np.linalg.qr(rng.standard_normal((n, shape[-2], k)))
     V, _ = np.linalg.qr(rng.standard_normal((n, shape[-1], k)))
     G = ((U * rng.uniform(0.3, 1, (n, 1, k))) @ V.swapaxes(-1, -2)).astype(np.float32).astype(np.float64)
@@ -117,12 +117,14 @@ def test_polar_express_against_float64(shape, split):
         return np.linalg.norm(out - oracle, axis=(-2, -1)) / np.linalg.norm(oracle, axis=(-2, -1))
 
     assert np.all(rel(np_polar_express(G, False)) < 0.05)  # bf16 iterations vs exact arithmetic
-    # the same roundings in the same order: many matrices bit-identical, the rest a rounding flip that
-    # spread (~0.3%); another order (split or not; g rounded to bf16 before scaling) is ~3% away
+    # the same roundings in the same order: here most matrices come out bit-identical and the rest differ
+    # by a rounding flip that spread (mean ~0.1%); a CPU that sums the fp32 products in another order
+    # flips more (CI once saw none bit-identical, mean 0.5%). Another order of the bf16 roundings (split
+    # or not; g rounded to bf16 before scaling) is 2-4% away whatever the CPU.
     matched = rel(np_polar_express(G, True, split))
-    assert np.mean(matched == 0) >= 0.25 and matched.mean() < 0.006, matched
+    assert matched.mean() < 0.01, matched
     for other in (np_polar_express(G, True, not split), np_polar_express(bf16(G), True, split)):
-        assert matched.mean() < 0.25 * rel(other).mean(), (matched, rel(other))
+        assert matched.mean() < 0.5 * rel(other).mean(), (matched, rel(other))
     # near-orthogonal: close to the polar factor U V^T of G, singular values pushed into about [0.7, 1.2]
     sv = np.linalg.svd(out, compute_uv=False)
     assert np.all((sv > 0.7) & (sv < 1.2)), sv
