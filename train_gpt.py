@@ -115,6 +115,7 @@ class Hyperparameters:
     muon_wd: float = 1.2
     # evaluation, logging, compilation
     val_loss_every: int = 250  # 0: only at the end
+    intermediate_val_tokens: int = 0  # validations before the last read only the first this many (0: --val-tokens)
     seed: int = 0
     records_dir: str = "records"
     compile_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt_jax")  # "" = off
@@ -144,6 +145,10 @@ class Hyperparameters:
              f"--bigram-vocab-size {self.bigram_vocab_size} must be at least 2 and --bigram-sign-rows "
              f"{self.bigram_sign_rows} at least 1"),
             (self.val_loss_every >= 0, f"--val-loss-every {self.val_loss_every} must be >= 0 (0: only at the end)"),
+            (self.intermediate_val_tokens == 0 or (self.intermediate_val_tokens % self.val_batch_size == 0
+                                                   and 0 < self.intermediate_val_tokens <= self.val_tokens),
+             f"--intermediate-val-tokens {self.intermediate_val_tokens} must be 0 (all --val-tokens) or a positive "
+             f"multiple of --val-batch-size {self.val_batch_size}, at most --val-tokens {self.val_tokens}"),
             *[(math.isfinite(v) and v > 0, f"--{name.replace('_', '-')} {v} must be a positive number")
               for name, v in [("adam_lr", self.adam_lr), ("muon_lr", self.muon_lr), ("adam_eps", self.adam_eps)]],
             *[(math.isfinite(v) and v >= 0, f"--{name.replace('_', '-')} {v} must be a number >= 0")
@@ -2176,6 +2181,7 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
     N = hp.total_steps
     params, buffers, opt_state, fp8 = state
     validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
+    val_steps_before_last = (hp.intermediate_val_tokens or hp.val_tokens) // hp.val_batch_size
     # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the host.
     clock, pending, val_s, step = TrainClock(), None, 0.0, 0
 
@@ -2197,11 +2203,12 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
                     finish(pending)
                     pending = None
                 clock.pause()
-                if step == validations[0]:
-                    console(f"validating on {hp.val_tokens} tokens ...")
+                some = val_batches if step == N else val_batches[:val_steps_before_last]
+                if step == validations[0] or step == N and len(some) > val_steps_before_last:
+                    console(f"validating on {len(some) * hp.val_batch_size} tokens ...")
                 t = time.perf_counter()
                 a = {k: v for k, v in schedule_values(step, hp, final_val=step == N).items() if k in VAL_KEYS}
-                losses = [val_step(params, buffers, x, y, a) for x, y in val_batches]  # all dispatched, then read
+                losses = [val_step(params, buffers, x, y, a) for x, y in some]  # all dispatched, then read
                 val_loss = float(np.mean([local_value(v) for v in losses]))
                 val_s = time.perf_counter() - t
                 say(val_line(step, N, val_loss, clock.ms()))

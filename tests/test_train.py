@@ -82,6 +82,32 @@ def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, t
         result.stderr[-2000:]
 
 
+def test_validations_before_the_last_read_the_first_intermediate_val_tokens(tiny_hp):
+    """run_steps with stand-in programs: each validation's batches and losses as they were read."""
+    hp = tg.dataclasses.replace(tiny_hp, val_tokens=4 * 1024, intermediate_val_tokens=1024, val_loss_every=3)
+    val_batches = [(np.full(1, k), None) for k in range(4)]
+    read, lines = [], []
+
+    def val_step(params, buffers, x, y, a):
+        read[-1].append(int(x[0]))
+        return tg.jnp.asarray(float(x[0]))  # batch k's loss is k
+
+    def train_step(params, buffers, opt_state, fp8, x, y, a, sv, bootstrap, prefix_V):
+        read.append([])
+        return params, opt_state, fp8, tg.jnp.asarray(1.0)
+
+    programs = {tg.stage_shape(step, hp): train_step for step in range(hp.total_steps)}
+    read.append([])
+    tg.run_steps(hp, lambda line, note="": lines.append(line), lambda text: None, programs, val_step,
+                 (None, None, None, None), iter([(None, None)] * hp.total_steps), val_batches, None)
+    val_reads = {step: r for step, r in enumerate(read) if r}
+    assert val_reads == {0: [0], 3: [0], 6: [0], hp.total_steps: [0, 1, 2, 3]}
+    assert [line.split()[1] for line in lines if "val_loss" in line][-1] == "val_loss:1.5000"  # mean of 0..3
+    for bad in (512, 3 * 1024 // 2, 5 * 1024):  # not a multiple of --val-batch-size, more than --val-tokens
+        with pytest.raises(tg.ConfigError, match="--intermediate-val-tokens"):
+            tg.dataclasses.replace(hp, intermediate_val_tokens=bad)
+
+
 def test_non_finite_loss_stops_and_closes_the_log(tiny_args, tiny_hp, run_train, tmp_path):
     """Weights whose FP8 activation scales are NaN (used in training only): validation at step 0 is
     finite, the first train step's loss is not. The tiny run's programs serve (no new compile)."""

@@ -9,8 +9,10 @@
 # Pieces:
 #   lane            python3 -m pytest -q tests/test_gpu.py                                  (limit 420 s)
 #   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas): the record
-#                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validation
-#                   only at the end on the full 10,485,760 tokens, a cold compile cache   (limit 360 s)
+#                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validations at
+#                   steps 0, 10, 20 on the first 2,097,152 tokens (one validation step of the record's
+#                   val program, the smallest its batch allows; the issue's "1M") and at the end on
+#                   the full 10,485,760, a cold compile cache                             (limit 360 s)
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
 #   bench           python3 bench.py --suite --profile $OUT/profile                          (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
@@ -59,7 +61,8 @@ for p in "$@"; do
             shards
             piece "$p" 360 "$PY" train_gpt.py --preset record --attention "${p#short-}" \
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
-                --num-scheduled-iterations 27 --num-extension-iterations 3 --val-loss-every 0 \
+                --num-scheduled-iterations 27 --num-extension-iterations 3 \
+                --val-loss-every 10 --intermediate-val-tokens 2097152 \
                 --records-dir "$OUT/rec" --compile-cache-dir "" ;;
         short-record20)
             shards
