@@ -5,6 +5,8 @@
 #
 #   tests/gpu/session.sh lane short-xla             # call 1: the GPU lane, then the short run
 #   tests/gpu/session.sh short-pallas short-record20 bench
+#   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
+#                                                   # bisecting a crash: the environment passes through
 #
 # Pieces:
 #   lane            python3 -m pytest -q tests/test_gpu.py                                  (limit 420 s)
