@@ -16,7 +16,7 @@
 #                   val program, the smallest its batch allows; the issue's "1M") and at the end on
 #                   the full 10,485,760, a cold compile cache                             (limit 360 s)
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
-#   bench           python3 bench.py --suite --profile $OUT/profile                          (limit 540 s)
+#   bench           python3 bench.py --suite --profile TMP/profile: the table in $OUT/suite.txt (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
 #                   the record's last-stage chunk, a row each (default: SWEEP_DEFAULT below) (limit 540 s)
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
@@ -71,7 +71,8 @@ for p in "$@"; do
             piece "$p" 360 "$PY" records/record20/train_gpt.py --preset record --num-iterations 30 --val-loss-every 0 \
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
                 --records-dir "$OUT/rec" --compile-cache-dir "" ;;
-        bench) piece bench 540 "$PY" bench.py --suite --profile "$OUT/profile" --out "$OUT/suite.txt" ;;
+        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/profile" --out "$OUT/suite.txt" ;;  # the
+            # table keeps the profile's top ops; the raw trace (tens of MB) stays on the machine
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$OUT/sweep.txt" ;;
         *) echo "tests/gpu/session.sh: unknown piece $p (lane, short-xla, short-pallas, short-record20, bench, sweep)" >&2
            exit 2 ;;
