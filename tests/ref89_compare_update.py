@@ -15,6 +15,9 @@ hp, N) against S, parameter by parameter:
   bf16 Adam parameters: elements at most one bf16 step apart, except where w - update cancels (then
     within 4 fp32 ulps of |w| + |update|, the precision of the fp32 subtraction itself);
   fp32 parameters: max |ours - ref| / |ref| <= 1e-5.
+--noise adds the reference's distance to itself, as the gradient checks have it: ref89's optimizer
+(tests/ref89_apply_grads.py) on the same gradients jittered by --jitter-rel per element, per bank
+matrix beside ours (printed, not judged).
 The FP8 scale buffers are passed through by apply_update (the reference's forward rewrites them):
 shown, not judged. Use odd N (Adam steps only on odd steps); for N > 847 ref89 treats the embedding
 as already untied, and so does apply_update.
@@ -24,7 +27,7 @@ ref89 runs single-threaded (reproducible on a busy machine; checked: the step's 
 
   REF89_GIT=/work/.mirror/KellerJordan+modded-nanogpt/repo .venv/bin/python tests/ref89_compare_update.py \
       --torch-python ~/.cache/seed-torch-venv/bin/python --ref89 /work/shared/ref89/ref89.py \
-      --weights /tmp/x/W1.npz --tokens /tmp/x/T.npy --steps 1,423,847,1271 --workdir /tmp/x
+      --weights /tmp/x/W1.npz --tokens /tmp/x/T.npy --steps 1,423,847,1271 --workdir /tmp/x [--noise]
 """
 import argparse
 import fcntl
@@ -90,9 +93,11 @@ def exact_normuon(name, w, g, sv, hp):
     return (new.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
 
 
-def compare_bank(name, w, ours, ref, g, sv, hp):
+def compare_bank(name, w, ours, ref, g, sv, hp, jittered=None):
     """The brief's bound (update cosine >= 0.999, norm within 0.5% of ref89's, per matrix), and each side's
-    distance to exact arithmetic: ours must be no farther from it than the reference is (x1.5 + 1e-4)."""
+    distance to exact arithmetic: ours must be no farther from it than the reference is (x1.5 + 1e-4).
+    jittered: ref89's own update from the gradients jittered (--noise), its distance to ref89 shown
+    beside ours, as the gradient checks show theirs (printed, not judged)."""
     shape = (-1, *w.shape[-2:])
     w, ours, ref, g = (x.reshape(shape).astype(np.float64) for x in (w, ours, ref, g))
     real = [i for i in range(len(w)) if np.any(g[i])]
@@ -109,12 +114,21 @@ def compare_bank(name, w, ours, ref, g, sv, hp):
     brief = cos.min() >= 0.999 and np.abs(ratio - 1).max() <= 5e-3
     ok = bool(np.all(1 - ours_exact <= 1.5 * (1 - ref_exact) + 1e-4) and np.all(off_ours <= 1.5 * off_ref + 2e-3))
     pad_diff = max((float(np.abs(ours[i] - ref[i]).max()) for i in pad), default=0.0)
+    noise = ""
+    if jittered is not None:
+        d_jit = jittered.reshape(shape).astype(np.float64)[real] - w[real]
+        cos_jit = np.array([cosine(x, y) for x, y in zip(d_jit, d_ref)])
+        ratio_jit = np.linalg.norm(d_jit, axis=(1, 2)) / np.linalg.norm(d_ref, axis=(1, 2))
+        times = (1 - cos) / np.maximum(1 - cos_jit, 1e-12)
+        noise = (f" | ref89 vs itself on jittered gradients: cos min {cos_jit.min():.5f} mean {cos_jit.mean():.5f}, "
+                 f"|norm ratio-1| max {np.abs(ratio_jit - 1).max():.1e}; ours' 1 - cos / its, per matrix: "
+                 f"max {times.max():.2f}, {int(np.sum(times > 2))} above 2")
     return ok, (f"{len(real)} matrices | vs ref89: cos min {cos.min():.5f} (#{real[cos.argmin()]}) "
                 f"mean {cos.mean():.5f}, "
                 f"|norm ratio-1| max {np.abs(ratio - 1).max():.1e} [brief's bound {'met' if brief else 'NOT met'}] | "
                 f"vs exact f64: ours cos min {ours_exact.min():.5f} mean {ours_exact.mean():.5f}, ref89 min "
                 f"{ref_exact.min():.5f} mean {ref_exact.mean():.5f}, |norm ratio-1| max ours {off_ours.max():.1e} "
-                f"ref89 {off_ref.max():.1e} | padding {pad or '-'}: max|ours-ref| {pad_diff:.0e}")
+                f"ref89 {off_ref.max():.1e} | padding {pad or '-'}: max|ours-ref| {pad_diff:.0e}{noise}")
 
 
 def compare_adam(name, w, ours, ref):
@@ -148,9 +162,10 @@ def compare_adam(name, w, ours, ref):
         f"update cos {upd:.6f}; elements moved {moved / w.size:.3f}")
 
 
-def compare(a, step, G_path, S_path):
+def compare(a, step, G_path, S_path, J_path=None):
     hp = tg.PRESETS["record"]
     W, G, S = np.load(a.weights), np.load(G_path), np.load(S_path)
+    J = np.load(J_path) if J_path else None
     params = {n: jnp.asarray(W[n], tg.param_shapes(hp)[n][1]) if n in tg.PARAM_TABLE else W[n]
               for n in W.files if not n.startswith("__")}
     grads = {n: jnp.asarray(G[n], tg.param_shapes(hp)[n][1]) for n in tg.PARAM_TABLE}
@@ -178,7 +193,7 @@ def compare(a, step, G_path, S_path):
             all_ok &= n in FP8_BUFFERS or np.array_equal(ours, ref)
             continue
         if tg.PARAM_TABLE[n]["optim"] == "normuon":
-            ok, text = compare_bank(n, w, ours, ref, G[n].astype(np.float64), sv, hp)
+            ok, text = compare_bank(n, w, ours, ref, G[n].astype(np.float64), sv, hp, None if J is None else J[n])
         else:
             ok, text = compare_adam(n, w, ours, ref)
         all_ok &= ok
@@ -195,6 +210,10 @@ def main():
     ap.add_argument("--steps", default="1,423,847,1271")
     ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the 2.6 GB G/S files go (deleted after each step)")
     ap.add_argument("--keep", action="store_true", help="keep G<N>.npz and S<N>.npz (and reuse them if present)")
+    ap.add_argument("--noise", action="store_true", help="also ref89's own update from the gradients jittered by "
+                    "--jitter-rel (tests/ref89_apply_grads.py), beside ours per bank matrix")
+    ap.add_argument("--jitter-rel", type=float, default=2e-3)
+    ap.add_argument("--jitter-seed", type=int, default=0)
     a = ap.parse_args()
     results = {}
     for step in [int(s) for s in a.steps.split(",")]:
@@ -202,12 +221,18 @@ def main():
         if not (a.keep and os.path.exists(G_path) and os.path.exists(S_path)):
             ref89(a, "grads", a.weights, a.tokens, "--step", str(step), G_path)
             ref89(a, "step", a.weights, a.tokens, "--step", str(step), S_path)
+        J_path = os.path.join(a.workdir, f"J{step}.npz") if a.noise else None
+        if a.noise:
+            t = time.time()
+            subprocess.run(["flock", LOCK, a.torch_python, os.path.join(ROOT, "tests", "ref89_apply_grads.py"),
+                            "--ref89", a.ref89, a.weights, G_path, J_path, "--step", str(step), "--jitter-rel",
+                            str(a.jitter_rel), "--seed", str(a.jitter_seed)], check=True, stdout=subprocess.DEVNULL)
+            print(f"  ref89 optimizer on jittered gradients --step {step}: {time.time() - t:.0f} s", flush=True)
         with open(LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            results[step] = compare(a, step, G_path, S_path)
-        if not a.keep:
-            os.remove(G_path)
-            os.remove(S_path)
+            results[step] = compare(a, step, G_path, S_path, J_path)
+        for path in ([J_path] if a.noise else []) + ([] if a.keep else [G_path, S_path]):
+            os.remove(path)
     bad = [s for s, ok in results.items() if not ok]
     print(f"OUT OF BOUNDS at steps {bad}" if bad else "all within bounds")
 
