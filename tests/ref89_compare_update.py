@@ -51,13 +51,18 @@ LOCK = "/tmp/ref89.lock"
 FP8_BUFFERS = ("_mlp_down_act_scales", "_mlp_down_proj_scales", "_mlp_down_proj_next_scales")
 
 
-def ref89(a, *cmd):
-    """One ref89 command under the lock, single-threaded: with 2 threads its results change when the
-    machine is busy (measured: a `grads` run beside two busy processes differed from an idle one in 60%
-    of the qk_bank gradient, loss 31516.197 vs 31516.371); with 1 thread they were identical."""
+def torch_run(a, label, *argv):
+    """A torch-side script under the lock (each side needs 10-15 GB), its time printed under `label`."""
     t = time.time()
-    subprocess.run(["flock", LOCK, a.torch_python, a.ref89, "--threads", "1", *cmd], check=True, stdout=subprocess.DEVNULL)
-    print(f"  ref89 {cmd[0]} --step {cmd[cmd.index('--step') + 1]}: {time.time() - t:.0f} s", flush=True)
+    subprocess.run(["flock", LOCK, a.torch_python, *argv], check=True, stdout=subprocess.DEVNULL)
+    print(f"  {label}: {time.time() - t:.0f} s", flush=True)
+
+
+def ref89(a, *cmd):
+    """One ref89 command, single-threaded: with 2 threads its results change when the machine is busy
+    (measured: a `grads` run beside two busy processes differed from an idle one in 60% of the qk_bank
+    gradient, loss 31516.197 vs 31516.371); with 1 thread they were identical."""
+    torch_run(a, f"ref89 {cmd[0]} --step {cmd[cmd.index('--step') + 1]}", a.ref89, "--threads", "1", *cmd)
 
 
 def ordered_bf16(x):
@@ -222,12 +227,10 @@ def main():
             ref89(a, "grads", a.weights, a.tokens, "--step", str(step), G_path)
             ref89(a, "step", a.weights, a.tokens, "--step", str(step), S_path)
         J_path = os.path.join(a.workdir, f"J{step}.npz") if a.noise else None
-        if a.noise:
-            t = time.time()
-            subprocess.run(["flock", LOCK, a.torch_python, os.path.join(ROOT, "tests", "ref89_apply_grads.py"),
-                            "--ref89", a.ref89, a.weights, G_path, J_path, "--step", str(step), "--jitter-rel",
-                            str(a.jitter_rel), "--seed", str(a.jitter_seed)], check=True, stdout=subprocess.DEVNULL)
-            print(f"  ref89 optimizer on jittered gradients --step {step}: {time.time() - t:.0f} s", flush=True)
+        if a.noise:  # ref89_apply_grads sets one thread itself
+            torch_run(a, f"ref89 optimizer on jittered gradients --step {step}",
+                      os.path.join(ROOT, "tests", "ref89_apply_grads.py"), "--ref89", a.ref89, a.weights, G_path,
+                      J_path, "--step", str(step), "--jitter-rel", str(a.jitter_rel), "--seed", str(a.jitter_seed))
         with open(LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             results[step] = compare(a, step, G_path, S_path, J_path)
