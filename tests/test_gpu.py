@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import pkgutil
 import re
 import signal
 import subprocess
@@ -719,6 +720,23 @@ def test_session_script_keeps_each_pieces_output_and_refuses_unknown_pieces(tmp_
     summary = (tmp_path / "out" / "session.txt").read_text()
     assert "== lane" in summary and "== lane: exit 0" in summary
     assert "skipped" in (tmp_path / "out" / "lane.log").read_text()
+
+
+def cuda_plugin_installed() -> bool:
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any(name.startswith("xla_cuda") for _, name, _ in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+@pytest.mark.skipif(cuda_plugin_installed(), reason="with JAX's CUDA plugin the script compiles for minutes")
+def test_compile_only_script_says_how_to_install_the_cuda_plugin_it_needs():
+    """tests/gpu/aot.py (compile for an H100 without one) in an environment without the plugin."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu", "aot.py"), "--programs", "last"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert 'pip install -r requirements.txt "jax[cuda13]==0.11.2"' in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,7 +147,9 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits():
     x = bf16(rng.normal(size=(T, D)))
     w = bf16(rng.normal(size=(D, V)) * 0.05)
     targets = rng.integers(0, V, T)
+    targets[1::4] = targets[0::4]  # an MTP target repeated: its column gets both weights
     prefix = np.where(rng.random(T) < 0.5, rng.integers(0, V, T), -1)
+    prefix[::8] = targets[1::8]  # the prefix target equal to the next token
     mtp, pw = np.array([1.0, 0.5, 0.25], np.float32), np.float32(0.25)
     cols, ws, total = m._loss_targets(jnp.asarray(targets, jnp.int32), jnp.asarray(mtp), jnp.asarray(prefix, jnp.int32),
                                       jnp.float32(pw), V)

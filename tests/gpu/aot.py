@@ -1,0 +1,368 @@
+"""Compile the record's programs for an H100 on a machine without a GPU (issue 34's CPU preparation).
+
+XLA compiles for a GPU it does not have through a compile-only topology: the GPU compiler runs whole
+(fusion, buffer assignment, Triton for the Pallas kernels and the GEMM fusions), without autotuning,
+so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this shows:
+
+  programs  every train program (one per stage shape) and the validation program of the record
+            preset, per attention implementation, compile for sm_90: compile seconds (on this
+            machine's cores), XLA's memory (arguments + temporaries) against the H100's 80 GB, and
+            for each train program the GPU lane's FP8 check (tests/test_gpu.py: every head matmul
+            and the 22 MLP projections are FP8 GEMMs);
+  --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
+            and registers at the record's last stage, so that a GPU session times only those.
+
+It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in its own environment,
+
+    python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest
+    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--sweep CONFIGS]
+"""
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+import time
+
+os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only: the CUDA plugin is asked for a topology, never a device
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA logs ptxas's register-spill reports at INFO level
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from bench import parse_sweep  # noqa: E402
+from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, parse_hlo  # noqa: E402
+
+# An H100 SXM 80GB as XLA's GpuTargetConfig describes a device (the figures CUDA reports for it:
+# 132 SMs, 228 KiB shared memory per SM of which 227 KiB to one block, 50 MiB L2, 81,559 MiB).
+H100_MEMORY = 81559 * 2**20
+H100 = f"""
+gpu_device_info {{
+  cuda_compute_capability {{ major: 9 minor: 0 }}
+  core_count: 132
+  fpus_per_core: 128
+  threads_per_warp: 32
+  threads_per_block_limit: 1024
+  threads_per_core_limit: 2048
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472
+  l2_cache_size: 52428800
+  memory_bandwidth: 3352000000000
+  clock_rate_ghz: 1.98
+  device_memory_size: {H100_MEMORY}
+}}
+platform_name: "CUDA"
+runtime_version {{ major: 13 minor: 0 }}
+dnn_version_info {{ major: 9 minor: 10 }}
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+GIB = 2**30
+INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
+
+
+def h100_mesh():
+    """A one-device mesh of a compile-only H100."""
+    from jax.experimental import topologies
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=H100, topology="1x1x1")
+    except Exception as e:  # noqa: BLE001  (whatever the missing plugin raises, the fix is the same)
+        print(f"tests/gpu/aot.py: this Python has no compile-only CUDA topology ({type(e).__name__}: {str(e)[:200]}).\n"
+              f"It needs JAX's CUDA plugin beside jax {jax.__version__}; install both in an environment of "
+              f"their own:\n  {INSTALL}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return tg.make_mesh(topology.devices)
+
+
+def abstract(x, sharding):
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
+                                sharding=sharding)
+
+
+@contextlib.contextmanager
+def ptxas_notes(notes: list):
+    """Collect (kernel, note) for what ptxas says of register spills and serialized wgmma while
+    compiling (XLA's C++ log writes to file descriptor 2; everything else it logs there is dropped)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            for line in log:
+                spill = re.search(r"spilled to local memory in function '([^']+)', (\d+) bytes spill stores, "
+                                  r"(\d+) bytes spill loads", line)
+                serial = re.search(r"wgmma\S* instructions are serialized due to (.+?) (?:in|for) the function "
+                                   r"'([^']+)'", line)
+                if spill:
+                    notes.append((spill[1], f"spills {spill[2]}/{spill[3]} bytes (stores/loads)"))
+                elif serial:
+                    notes.append((serial[2], f"wgmma serialized: {serial[1]}"))
+                elif "ptxas" in line and re.search(r"\berror\b", line, re.I):
+                    notes.append(("ptxas", line.strip()[:200]))
+
+
+def record_programs(hp, mesh, which: str):
+    """[(name, lowered program, is_train)] of the record preset: the train program of each stage shape
+    (or only the last) and the validation program, on abstract arguments."""
+    rep, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+    params = {k: jax.ShapeDtypeStruct(s, d, sharding=rep) for k, (s, d) in tg.param_shapes(hp).items()}
+    table, _ = tg.buffer_shapes(hp)["bigram_sign_table"]
+    buffers = {"bigram_sign_table": jax.ShapeDtypeStruct(table, tg.BF16, sharding=rep)}
+    opt_state = jax.tree.map(lambda x: abstract(x, rep), jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp), params))
+    fp8 = {"next_w": jax.ShapeDtypeStruct((tg.NUM_LAYERS + 1,), tg.F32, sharding=rep),
+           "act": jax.ShapeDtypeStruct((tg.RANKS, tg.NUM_LAYERS + 1), tg.F32, sharding=by_chunk)}
+    prefix_V = abstract(np.zeros(hp.padded_vocab, np.int32), rep)
+    train_step, val_step = tg.make_train_step(hp, mesh), tg.make_val_step(hp, mesh)
+    firsts = tg.program_steps(hp)
+    programs = []
+    for first in firsts[-1:] if which == "last" else firsts:
+        T, mtp = tg.stage_shape(first, hp)
+        batch = jax.ShapeDtypeStruct((tg.RANKS, T), jnp.int32, sharding=by_chunk)
+        a, sv, bootstrap = jax.tree.map(lambda x: abstract(x, rep), tg.step_inputs(first, hp))
+        programs.append((f"train chunk {T} mtp {mtp}", train_step.lower(params, buffers, opt_state, fp8, batch, batch, a,
+                                                                         sv, bootstrap, prefix_V), True))
+    if which == "all":
+        batch = jax.ShapeDtypeStruct((tg.RANKS, hp.val_batch_size // tg.RANKS), jnp.int32, sharding=by_chunk)
+        a = {k: abstract(v, rep) for k, v in tg.schedule_values(0, hp).items() if k in tg.VAL_KEYS}
+        programs.append((f"validation chunk {batch.shape[1]}", val_step.lower(params, buffers, batch, batch, a), False))
+    return programs
+
+
+# A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
+# without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
+# slice where a fusion reads or updates a slice), loop bodies count their known trip counts, every
+# branch of a conditional counts, and a custom call (a Pallas kernel) counts its operands but no FLOPs.
+ELEMENT_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                 "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "u8": 1, "pred": 1, "token": 0}
+HBM_BYTES_PER_S, GEMM_FLOPS_PER_S = 3.0e12, 700e12  # an H100's copy rate (measured) and a GEMM rate it reaches
+FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id")
+
+
+def type_bytes(type_: str) -> int:
+    return sum(ELEMENT_BYTES.get(t, 4) * int(np.prod([int(d) for d in shape.split(",") if d]))
+               for t, shape in re.findall(r"(\w+)\[([\d,]*)\]", type_))
+
+
+def source_of(text: str):
+    """attrs -> 'function:line < caller:line' of the instruction's innermost two frames."""
+    def table(name):
+        block = re.search(rf"^{name}\n(.*?)(?:\n\n|\Z)", text, re.S | re.M)
+        return {int(line.split()[0]): line for line in block[1].splitlines()} if block else {}
+
+    functions = {i: line.split(None, 1)[1].strip('"') for i, line in table("FunctionNames").items()}
+    fields = lambda line: dict(re.findall(r"(\w+)=(\d+)", line))  # noqa: E731
+    locations = {i: fields(line) for i, line in table("FileLocations").items()}
+    frames = {i: fields(line) for i, line in table("StackFrames").items()}
+
+    def where(attrs):
+        frame = re.search(r"stack_frame_id=(\d+)", attrs)
+        chain, f = [], int(frame[1]) if frame else None
+        while f in frames and len(chain) < 2:
+            loc = locations[int(frames[f]["file_location_id"])]
+            chain.append(f"{functions[int(loc['function_name_id'])]}:{loc['line']}")
+            f = None if int(frames[f]["parent_frame_id"]) == f else int(frames[f]["parent_frame_id"])
+        return " < ".join(chain) or "?"
+    return where
+
+
+def traffic(text: str) -> tuple:
+    """({source: [bytes, GEMM flops, kernel launches]}, loops without a known trip count) of one run
+    of the module's entry computation."""
+    module, where = parse_hlo(text), source_of(text)
+    rows, unknown = {}, []
+    typ = lambda comp, name: module.get(comp, name).type if module.get(comp, name) else ""  # noqa: E731
+
+    def gemm_flops(comp):
+        flops = 0
+        for ins in module.computations.get(comp, {}).values():
+            if ins.op == "dot":
+                lhs = dims(typ(comp, ins.operands[0]))
+                contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)[1]
+                flops += 2 * int(np.prod(dims(ins.type))) * int(np.prod([lhs[int(c)] for c in contracted.split(",") if c]))
+        return flops
+
+    def fusion_bytes(comp, ins, called):
+        users = {}
+        for user in module.computations[called].values():
+            for j, operand in enumerate(user.operands):
+                users.setdefault(operand, []).append((user, j))
+        params = {int(p.operands[0]): p for p in module.computations[called].values() if p.op == "parameter"}
+        moved = 0
+        for i, operand in enumerate(ins.operands):
+            uses = users.get(params[i].name, []) if i in params else []
+            if uses and all(j == 0 and u.op in ("dynamic-slice", "slice", "gather", "dynamic-update-slice")
+                            for u, j in uses):  # reads a slice, or updates its buffer in place
+                moved += sum(type_bytes(u.type) for u, _ in uses if u.op != "dynamic-update-slice")
+            else:
+                moved += type_bytes(typ(comp, operand))
+        root = module.get(called, module.roots[called])
+        for r in ([module.get(called, o) for o in root.operands] if root.op == "tuple" else [root]):
+            if r is not None:
+                moved += type_bytes(typ(called, r.operands[1]) if r.op == "dynamic-update-slice" else r.type)
+        return moved
+
+    def walk(comp, times):
+        for ins in module.computations[comp].values():
+            called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+            if ins.op in FREE_OPS:
+                continue
+            if ins.op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+                if not trips:
+                    unknown.append(ins.name)
+                walk(re.search(r"body=%?([\w.\-]+)", ins.attrs)[1], times * (int(trips[1]) if trips else 1))
+                continue
+            if ins.op in ("conditional", "call"):
+                for branch in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
+                    walk(branch, times)
+                continue
+            if ins.op == "fusion" and called:
+                moved, flops = fusion_bytes(comp, ins, called[1]), gemm_flops(called[1])
+            elif ins.op == "dynamic-slice":
+                moved, flops = 2 * type_bytes(ins.type), 0
+            elif ins.op == "dynamic-update-slice":
+                moved, flops = 2 * type_bytes(typ(comp, ins.operands[1])), 0
+            else:
+                moved, flops = type_bytes(ins.type) + sum(type_bytes(typ(comp, o)) for o in ins.operands), 0
+            row = rows.setdefault(where(ins.attrs), [0, 0, 0])
+            row[0] += moved * times
+            row[1] += flops * times
+            row[2] += times
+
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
+    walk(entry, 1)
+    return rows, unknown
+
+
+def kernel_sources(text: str) -> dict:
+    """Kernel name as ptxas prints it (the HLO instruction's, '.' as '_') -> its source line."""
+    module, where = parse_hlo(text), source_of(text)
+    return {ins.name.replace(".", "_"): where(ins.attrs) for comp in module.computations.values() for ins in comp.values()}
+
+
+def traffic_lines(text: str, top: int) -> list:
+    rows, unknown = traffic(text)
+    seconds = lambda r: max(r[0] / HBM_BYTES_PER_S, r[1] / GEMM_FLOPS_PER_S)  # noqa: E731
+    moved, flops = sum(r[0] for r in rows.values()), sum(r[1] for r in rows.values())
+    lines = [f"    estimate: {moved / 1e9:.0f} GB moved ({moved / HBM_BYTES_PER_S * 1e3:.0f} ms at "
+             f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s), {flops / 1e12:.0f} TFLOP in GEMMs ({flops / GEMM_FLOPS_PER_S * 1e3:.0f} "
+             f"ms at {GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s), sum of per-kernel floors "
+             f"{sum(map(seconds, rows.values())) * 1e3:.0f} ms" + (f"; {len(unknown)} loops counted once" if unknown else "")]
+    for source, r in sorted(rows.items(), key=lambda kv: -seconds(kv[1]))[:top]:
+        lines.append(f"    {seconds(r) * 1e3:7.1f} ms {r[0] / 1e9:8.1f} GB {r[1] / 1e12:6.1f} TFLOP {r[2]:6d} kernels  {source}")
+    return lines
+
+
+def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0) -> list:
+    hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, compile_cache_dir="")
+    rows = []
+    for name, lowered, is_train in record_programs(hp, mesh, which):
+        t0, notes = time.perf_counter(), []
+        with ptxas_notes(notes):
+            compiled = lowered.compile()
+        seconds = time.perf_counter() - t0
+        memory, text = compiled.memory_analysis(), compiled.as_text()
+        # donated arguments come back as outputs in the same buffers (alias): count them once
+        total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                 + memory.temp_size_in_bytes)
+        lines = [f"{impl:6s} {name:26s} compile {seconds:5.1f}s  arguments {memory.argument_size_in_bytes / GIB:5.2f} "
+                 f"GiB, temporaries {memory.temp_size_in_bytes / GIB:5.2f} GiB, in all {total / GIB:5.2f} of "
+                 f"{H100_MEMORY / GIB:.1f} GiB"]
+        if is_train:
+            sites, problems = fp8_gemm_problems(text, hp.padded_vocab)
+            mlp = fp8_mlp_gemms(text, 4 * hp.model_dim)
+            lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
+                         + f", {len(mlp)} MLP GEMMs" + ("" if len(mlp) >= 2 * tg.NUM_LAYERS else " (fewer than 22)"))
+            lines += traffic_lines(text, top) if top else []
+        kernels = kernel_sources(text)
+        lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
+        if hlo_dir:
+            with open(os.path.join(hlo_dir, f"{impl}_{name.replace(' ', '_')}.hlo.txt"), "w") as f:
+                f.write(text)
+        rows.append("\n".join(lines))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def sweep_rows(mesh, configs: list) -> list:
+    """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
+    forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv."""
+    hp = tg.PRESETS["record"]
+    T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
+    rep = NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((T, tg.NUM_HEADS, hp.head_dim), tg.BF16, sharding=rep)
+    lse = jax.ShapeDtypeStruct((tg.NUM_HEADS, T), tg.F32, sharding=rep)
+    docs, window = (jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep) for s in ((T,), ()))
+    scale = jax.ShapeDtypeStruct((), tg.F32, sharding=rep)
+    rows = []
+    for kernel, tuning in configs:
+        if kernel == "fwd":
+            fn, args = (lambda q, k, v, d, w, s, t=tuning: tg._pallas_forward(q, k, v, d, w, s, t)), (x, x, x, docs)
+        else:
+            knobs = {"dq_tuning": tuning} if kernel == "dq" else {"dkv_tuning": tuning}
+            fn = lambda q, k, v, d, o, l, g, w, s, kw=knobs: tg._pallas_backward(q, k, v, d, w, s, o, l, g, **kw)  # noqa: E731
+            args = (x, x, x, docs, x, lse, x)
+        in_specs = (P(),) * (len(args) + 2)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
+        program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
+        name = f"{kernel}:{tuning.tile}/{tuning.num_warps}/{tuning.num_stages}"
+        try:
+            notes = []
+            with ptxas_notes(notes):
+                program.lower(*args, window, scale).compile()
+            rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills"))
+        except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
+            rows.append(f"{name:14s} FAILS: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attention", default="xla,pallas", help="comma-separated implementations (default both)")
+    parser.add_argument("--programs", default="all", choices=("all", "last", "none"),
+                        help="all: each stage shape's train program and validation; last: the last stage's train "
+                             "program; none: only --sweep")
+    parser.add_argument("--sweep", metavar="CONFIGS", help="KERNEL:TILE/WARPS/STAGES items as bench.py --sweep takes")
+    parser.add_argument("--hlo-dir", metavar="DIR", help="write each train program's compiled HLO text there")
+    parser.add_argument("--traffic", type=int, default=15, metavar="N",
+                        help="per train program: a static estimate of a step's memory traffic and GEMM FLOPs, and its "
+                             "N costliest source lines (default 15; 0: none)")
+    args = parser.parse_args(argv)
+    impls = args.attention.split(",")
+    try:
+        unknown = [i for i in impls if i not in tg.ATTENTION]
+        if unknown:
+            raise ValueError(f"--attention {args.attention}: {unknown} not among {sorted(tg.ATTENTION)}")
+        configs = parse_sweep(args.sweep) if args.sweep else []
+    except ValueError as e:
+        parser.error(str(e))
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+    mesh = h100_mesh()
+    print(f"compile-only NVIDIA H100 (sm_90), jax {jax.__version__}, record preset; compile times on "
+          f"{os.cpu_count()} CPU cores, without autotuning", flush=True)
+    rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(mesh, impl, args.programs,
+                                                                                   args.hlo_dir, args.traffic)]
+    rows += sweep_rows(mesh, configs)
+    return 1 if any("PROBLEMS" in r or "fewer than" in r or "FAILS" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
