@@ -417,9 +417,23 @@ def rms_norm(x, eps=F32_EPS):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+@jax.custom_vjp
 def linear(x, w_OxI):
     """F.linear: x @ Wᵀ in x's dtype with fp32 accumulation."""
     return jnp.matmul(x, w_OxI.astype(x.dtype).T, preferred_element_type=F32).astype(x.dtype)
+
+
+def _linear_bwd(res, g):
+    """The backward's GEMMs in x's dtype with fp32 accumulation, as torch's. (Autodiff would run them
+    on fp32 copies, the same values through fp32 GEMMs: TF32 at best on a GPU, half bf16's rate.)"""
+    x, w_OxI = res
+    g_NxO, x_NxI = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    dx = jnp.matmul(g, w_OxI.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
+    dw = jnp.matmul(g_NxO.T, x_NxI, preferred_element_type=F32).astype(x.dtype).astype(w_OxI.dtype)
+    return dx, dw
+
+
+linear.defvjp(lambda x, w_OxI: (linear(x, w_OxI), (x, w_OxI)), _linear_bwd)
 
 
 def f32(x):
@@ -649,9 +663,8 @@ def _relu2(acc):
 
 
 def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD):
-    g = f32(g_TxD)
-    dw2 = (f32(post_TxF).T @ g).astype(BF16)
-    c = (g @ f32(w2_FxD).T).astype(BF16)
+    dw2 = jnp.matmul(post_TxF.T, g_TxD, preferred_element_type=F32).astype(BF16)
+    c = jnp.matmul(g_TxD, w2_FxD.T, preferred_element_type=F32).astype(BF16)
     dpre = (2 * f32(c) * jnp.sqrt(f32(post_TxF))).astype(BF16)
     dw1 = jnp.matmul(dpre.T, x_TxD, preferred_element_type=F32).astype(BF16)
     dx = jnp.matmul(dpre, w1_FxD, preferred_element_type=F32).astype(BF16)

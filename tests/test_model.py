@@ -2,6 +2,7 @@
 masks), fresh random inputs; numbers read from the PyTorch reference (ref89.py) are named where used."""
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +188,31 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits():
         got, want = np.asarray(got, np.float64).ravel(), want.ravel()
         assert got @ want / (np.linalg.norm(got) * np.linalg.norm(want)) > 0.995  # e5m2 keeps 2 mantissa bits
         assert abs(np.linalg.norm(got) / np.linalg.norm(want) - 1) < 0.05
+
+
+def test_linear_and_mlp_backward_run_bf16_gemms_with_autodiffs_values():
+    """linear's backward gives what autodiff gives (its GEMMs on fp32 copies of the bf16 values) from
+    bf16 GEMMs with fp32 accumulation, as torch's backward; the MLP's backward GEMMs are bf16 too."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.normal(size=(2, 48, 32)), BF16)
+    w = jnp.asarray(rng.normal(size=(16, 32)) * 0.1, BF16)
+    r = jnp.asarray(rng.normal(size=(2, 48, 16)), F32)
+    plain = lambda x, w: jnp.matmul(x, w.T, preferred_element_type=F32).astype(BF16)  # noqa: E731
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(F32) * r)  # noqa: E731
+    got, want = (jax.grad(loss(f), argnums=(0, 1))(x, w) for f in (m.linear, plain))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == BF16
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.abs(a - b).max() <= 2**-7 * np.abs(b).max()  # one bf16 rounding of the same fp32 sums at most
+
+    def gemm_operand_types(fn, *args):
+        text = jax.jit(jax.grad(fn, argnums=tuple(range(len(args))))).lower(*args).as_text()
+        return re.findall(r"stablehlo\.dot_general .*: \(tensor<[\dx]*x(\w+)>, tensor<[\dx]*x(\w+)>\)", text)
+
+    w1, w2 = (jnp.asarray(rng.normal(size=(64, 32)) * 0.1, BF16) for _ in range(2))
+    mlp_loss = lambda x, w1, w2: jnp.sum(m.mlp_bf16(x, w1, w2).astype(F32))  # noqa: E731
+    for types, backward in ((gemm_operand_types(loss(m.linear), x, w), 2), (gemm_operand_types(mlp_loss, x[0], w1, w2), 4)):
+        assert len(types) >= backward and all(t == ("bf16", "bf16") for t in types), types
 
 
 def test_fp8_mlp_forward_and_bf16_backward():
