@@ -615,6 +615,92 @@ def test_plain_dot_on_f8_operands_fails():
     assert len(problems) == 1 and "dot.1" in problems[0] and "plain dot" in problems[0]
 
 
+# tests/gpu/aot.py's static traffic estimate, on a hand-written module: a loop of 4 trips reads one
+# row of a stacked f32[4,64] (a 256-byte slice) and writes it into a buffer in place; the entry runs a
+# bf16 GEMM fusion (32 x 64 times 64 x 16). Frames: step:20 calls matmul:10 and read_row:5.
+TRAFFIC_HLO = """HloModule jit_step, is_scheduled=true
+
+%read (p0: f32[4,64], p1: s32[]) -> f32[64] {
+  %p0 = f32[4,64]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %row = f32[1,64]{1,0} dynamic-slice(f32[4,64]{1,0} %p0, s32[] %p1, s32[] %zero), dynamic_slice_sizes={1,64}
+  ROOT %flat = f32[64]{0} reshape(f32[1,64]{1,0} %row)
+}
+
+%write (q0: f32[4,64], q1: f32[64], q2: s32[]) -> f32[4,64] {
+  %q0 = f32[4,64]{1,0} parameter(0)
+  %q1 = f32[64]{0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %zero.1 = s32[] constant(0)
+  %up = f32[1,64]{1,0} reshape(f32[64]{0} %q1)
+  ROOT %dus = f32[4,64]{1,0} dynamic-update-slice(f32[4,64]{1,0} %q0, f32[1,64]{1,0} %up, s32[] %q2, s32[] %zero.1)
+}
+
+%gemm (x: bf16[32,64], w: bf16[64,16]) -> f32[32,16] {
+  %x = bf16[32,64]{1,0} parameter(0)
+  %w = bf16[64,16]{1,0} parameter(1)
+  ROOT %d = f32[32,16]{1,0} dot(bf16[32,64]{1,0} %x, bf16[64,16]{1,0} %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (s: (s32[], f32[4,64], f32[4,64])) -> (s32[], f32[4,64], f32[4,64]) {
+  %s = (s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) %s), index=0
+  %a = f32[4,64]{1,0} get-tuple-element((s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) %s), index=1
+  %acc = f32[4,64]{1,0} get-tuple-element((s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) %s), index=2
+  %r = f32[64]{0} fusion(f32[4,64]{1,0} %a, s32[] %i), kind=kLoop, calls=%read, metadata={op_name="r" stack_frame_id=3}
+  %u = f32[4,64]{1,0} fusion(f32[4,64]{1,0} %acc, f32[64]{0} %r, s32[] %i), kind=kLoop, calls=%write, metadata={op_name="u" stack_frame_id=3}
+  ROOT %t = (s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) tuple(s32[] %i, f32[4,64]{1,0} %a, f32[4,64]{1,0} %u)
+}
+
+%cond (c: (s32[], f32[4,64], f32[4,64])) -> pred[] {
+  %c = (s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) parameter(0)
+  ROOT %yes = pred[] constant(true)
+}
+
+ENTRY %main (a.1: f32[4,64], x.1: bf16[32,64], w.1: bf16[64,16]) -> f32[32,16] {
+  %a.1 = f32[4,64]{1,0} parameter(0)
+  %x.1 = bf16[32,64]{1,0} parameter(1)
+  %w.1 = bf16[64,16]{1,0} parameter(2)
+  %i0 = s32[] constant(0)
+  %init = (s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) tuple(s32[] %i0, f32[4,64]{1,0} %a.1, f32[4,64]{1,0} %a.1)
+  %loop = (s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) while((s32[], f32[4,64]{1,0}, f32[4,64]{1,0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %g = f32[32,16]{1,0} fusion(bf16[32,64]{1,0} %x.1, bf16[64,16]{1,0} %w.1), kind=kCustom, calls=%gemm, metadata={op_name="g" stack_frame_id=2}
+}
+
+FileNames
+1 "model.py"
+
+FunctionNames
+1 "step"
+2 "matmul"
+3 "read_row"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=20 end_line=20 column=1 end_column=9}
+2 {file_name_id=1 function_name_id=2 line=10 end_line=10 column=1 end_column=9}
+3 {file_name_id=1 function_name_id=3 line=5 end_line=5 column=1 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=2}
+"""
+
+
+def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    from aot import traffic
+
+    per_trip = (256 + 4 + 256) + (0 + 256 + 4 + 256)  # read: slice, index, row; write: in place, row, index, update
+    rows, unknown = traffic(TRAFFIC_HLO)
+    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8],
+                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1]}
+    assert unknown == []
+    rows, unknown = traffic(TRAFFIC_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
+    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2] and unknown == ["loop"]  # counted once, and said
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) Attention at full length against a dense fp32 reference on sampled query blocks
 

@@ -8,7 +8,9 @@ so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this
             preset, per attention implementation, compile for sm_90: compile seconds (on this
             machine's cores), XLA's memory (arguments + temporaries) against the H100's 80 GB, and
             for each train program the GPU lane's FP8 check (tests/test_gpu.py: every head matmul
-            and the 22 MLP projections are FP8 GEMMs);
+            and the 22 MLP projections are FP8 GEMMs), the kernels ptxas says spill registers, and
+            (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
+            costliest source lines: it ranks costs, it is no timing;
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
             and registers at the record's last stage, so that a GPU session times only those.
 
@@ -26,8 +28,9 @@ import sys
 import tempfile
 import time
 
-os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only: the CUDA plugin is asked for a topology, never a device
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA logs ptxas's register-spill reports at INFO level
+if __name__ == "__main__":  # (imported, by the tests, it leaves the environment alone)
+    os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only: the CUDA plugin gives a topology, never a device
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA logs ptxas's register-spill reports at INFO level
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
@@ -87,8 +90,9 @@ def h100_mesh():
 
 
 def abstract(x, sharding):
-    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,
-                                sharding=sharding)
+    """The shape and dtype of an array or a numpy scalar, placed by `sharding`."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
 
 
 @contextlib.contextmanager
@@ -151,7 +155,8 @@ def record_programs(hp, mesh, which: str):
 # branch of a conditional counts, and a custom call (a Pallas kernel) counts its operands but no FLOPs.
 ELEMENT_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                  "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "u8": 1, "pred": 1, "token": 0}
-HBM_BYTES_PER_S, GEMM_FLOPS_PER_S = 3.0e12, 700e12  # an H100's copy rate (measured) and a GEMM rate it reaches
+# rates seen on the H100 machines here: a device-to-device copy ~3.0 TB/s, an 8192^3 bf16 product ~800 TFLOP/s
+HBM_BYTES_PER_S, GEMM_FLOPS_PER_S = 3.0e12, 700e12
 FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id")
 
 
@@ -177,7 +182,7 @@ def source_of(text: str):
         while f in frames and len(chain) < 2:
             loc = locations[int(frames[f]["file_location_id"])]
             chain.append(f"{functions[int(loc['function_name_id'])]}:{loc['line']}")
-            f = None if int(frames[f]["parent_frame_id"]) == f else int(frames[f]["parent_frame_id"])
+            f = int(frames[f]["parent_frame_id"]) - 1  # the text's parent ids are one past the frame's (0: none)
         return " < ".join(chain) or "?"
     return where
 
