@@ -916,8 +916,8 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
         sig_bf16 = jax.lax.optimization_barrier(_softcap_sig(_fp8_logits(x8, w_f8)))
         sig = f32(sig_bf16)
         z = np.float32(SOFTCAP_A) * sig
-        # z <= A: shifted by A, exp cannot overflow, and no pass finds the row's max (the reference's
-        # shift; equal up to fp32 rounding)
+        # z <= A: shifted by A, exp cannot overflow and no pass finds the row's max (the reference
+        # shifts by the max: the same lse up to fp32 rounding)
         lse = np.float32(SOFTCAP_A) + jnp.log(jnp.sum(jnp.exp(z - np.float32(SOFTCAP_A)), axis=-1))
         zt = np.float32(SOFTCAP_A) * f32(jnp.take_along_axis(sig_bf16, cols, axis=1))
         losses = jnp.sum(ws * (lse[:, None] - zt), axis=1)
