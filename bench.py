@@ -3,7 +3,7 @@
   python bench.py --suite [--profile DIR] [--out PATH]  # the whole picture: one table, then one JSON line
   python bench.py                                       # model forward+backward of one chunk per stage shape
   python bench.py --attention pallas                    # the same with the fused attention kernels
-  python bench.py --sweep fwd:128/8/2,dq:64/4/3         # the Pallas kernels' tiles, warps, stages: a row each
+  python bench.py --sweep fwd:128/8/2,dq:64/8/3         # the Pallas kernels' tiles, warps, stages: a row each
 
 Shapes: the record preset on a GPU; elsewhere `tiny` (the cpu preset's model, head size 16, with a
 8,192-token vocabulary and chunks of 512 tokens in every stage). `--preset smoke` is the smallest shape
@@ -607,7 +607,7 @@ def report_lines(result: dict, table: Table) -> list:
 
 
 def parse_sweep(text: str) -> list:
-    """"fwd:128/8/2,dq:64/4/3,..." -> [(kernel, KernelTuning)]; raises ValueError naming the bad item."""
+    """"fwd:128/8/2,dq:64/8/3,..." -> [(kernel, KernelTuning)]; raises ValueError naming the bad item."""
     configs = []
     for item in text.split(","):
         try:
@@ -681,7 +681,7 @@ def parse_args(argv=None):
     mode.add_argument("--suite", action="store_true", help="the whole picture: compile, train steps, model, parts")
     mode.add_argument("--sweep", metavar="CONFIGS", help="the Pallas kernels' tuning: KERNEL:TILE/WARPS/STAGES items, "
                       "comma-separated (KERNEL fwd, dq or dkv), each timed at the last stage's windows, e.g. "
-                      "fwd:128/8/2,fwd:64/4/3,dq:64/8/2,dkv:32/4/2")
+                      "fwd:128/8/2,fwd:64/8/3,dq:64/8/2,dkv:32/8/3")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--attention", default="xla", choices=sorted(tg.ATTENTION),
