@@ -127,11 +127,11 @@ def record_programs(hp, mesh, which: str):
     (or only the last) and the validation program, on abstract arguments."""
     rep, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     params = {k: jax.ShapeDtypeStruct(s, d, sharding=rep) for k, (s, d) in tg.param_shapes(hp).items()}
-    table, _ = tg.buffer_shapes(hp)["bigram_sign_table"]
-    buffers = {"bigram_sign_table": jax.ShapeDtypeStruct(table, tg.BF16, sharding=rep)}
+    weights = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in tg.buffer_shapes(hp).items()}
+    buffers = {"bigram_sign_table": abstract(weights["bigram_sign_table"], rep)}
     opt_state = jax.tree.map(lambda x: abstract(x, rep), jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp), params))
-    fp8 = {"next_w": jax.ShapeDtypeStruct((tg.NUM_LAYERS + 1,), tg.F32, sharding=rep),
-           "act": jax.ShapeDtypeStruct((tg.RANKS, tg.NUM_LAYERS + 1), tg.F32, sharding=by_chunk)}
+    fp8 = jax.eval_shape(tg.fp8_state, weights)  # its layout as train() gets it
+    fp8 = {"next_w": abstract(fp8["next_w"], rep), "act": abstract(fp8["act"], by_chunk)}
     prefix_V = abstract(np.zeros(hp.padded_vocab, np.int32), rep)
     train_step, val_step = tg.make_train_step(hp, mesh), tg.make_val_step(hp, mesh)
     firsts = tg.program_steps(hp)
@@ -225,9 +225,9 @@ def traffic(text: str) -> tuple:
 
     def walk(comp, times):
         for ins in module.computations[comp].values():
-            called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
             if ins.op in FREE_OPS:
                 continue
+            called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
             if ins.op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
                 if not trips:
