@@ -2292,7 +2292,8 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             f"{RANKS // mesh.size} chunk(s) per device per step; log {log.path if log else '-'}")
         if init_path:
             say(f"initial weights: {os.path.abspath(init_path)}")
-        say(f"compile: {compile_s:.1f}s for {len(programs)} train programs and the validation step "
+        plural = "s" * (len(programs) > 1)
+        say(f"compile: {compile_s:.1f}s for {len(programs)} train program{plural} and the validation step "
             f"(persistent cache: {hp.compile_cache_dir or 'off'})")
 
         def put(chunks):

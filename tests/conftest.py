@@ -115,14 +115,16 @@ def tiny_args(synthetic_shards):
 @pytest.fixture(scope="session")
 def tiny_attempt(tiny_args):
     """One real record attempt at the tiny settings, shared by the tests that need logs of real runs
-    (test_attempt, test_records, test_train, test_distributed): `records/attempt.py --runs 3 --seed 0`,
-    three runs of train_gpt.py with seeds 0, 1, 2 (one compiled program). Returns its records
-    folder, the finished process (returncode, stdout, stderr) and {seed: log path}."""
+    (test_attempt, test_records, test_train): `records/attempt.py --runs 2 --seed 0`, two runs of
+    train_gpt.py with seeds 0 and 1 (the second finds the first's programs in the compile cache), each
+    with --save-weights to one file (the second run's weights replace the first's). Returns its records
+    folder, the finished process (returncode, stdout, stderr), {seed: log path} and the weights file."""
     from records.logs import parse_log
 
     def run(folder):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "records", "attempt.py"), "--runs", "3", "--seed",
-                               "0", *tiny_args(folder / "records")], cwd=ROOT, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "records", "attempt.py"), "--runs", "2", "--seed",
+                               "0", *tiny_args(folder / "records", **{"--save-weights": folder / "weights.npz"})], cwd=ROOT,
+                              capture_output=True, text=True,
                               timeout=900)
         (folder / "proc.json").write_text(json.dumps(dict(returncode=proc.returncode, stdout=proc.stdout,
                                                           stderr=proc.stderr)))
@@ -132,7 +134,7 @@ def tiny_attempt(tiny_args):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = folder / "records"
     logs = {parse_log(str(p)).hyperparameters["seed"]: str(p) for p in records.glob("*.txt")}
-    return types.SimpleNamespace(records=records, proc=proc, logs=logs)
+    return types.SimpleNamespace(records=records, proc=proc, logs=logs, weights=folder / "weights.npz")
 
 
 @pytest.fixture
