@@ -2180,8 +2180,8 @@ def program_steps(hp: Hyperparameters) -> list:
 VAL_KEYS = ("window_short", "window_long", "freq", "scale", "bos")  # the forward values validation reads
 
 
-def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):
-    """{stage shape: compiled train program} and the compiled validation program, ahead of time."""
+def lower_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):
+    """{stage shape: lowered train program} and the lowered validation program (traced, not compiled)."""
     train_step, val_step = make_train_step(hp, mesh), make_val_step(hp, mesh)
     by_chunk = NamedSharding(mesh, P("dp"))
     programs = {}
@@ -2189,11 +2189,16 @@ def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pr
         shape = stage_shape(first, hp)
         batch = jax.ShapeDtypeStruct((RANKS, shape[0]), jnp.int32, sharding=by_chunk)
         a, sv, bootstrap = step_inputs(first, hp)
-        programs[shape] = train_step.lower(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap,
-                                           prefix_V).compile()
+        programs[shape] = train_step.lower(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap, prefix_V)
     val_batch = jax.ShapeDtypeStruct((RANKS, hp.val_batch_size // RANKS), jnp.int32, sharding=by_chunk)
     a = {k: v for k, v in schedule_values(0, hp).items() if k in VAL_KEYS}
-    return programs, val_step.lower(params, buffers, val_batch, val_batch, a).compile()
+    return programs, val_step.lower(params, buffers, val_batch, val_batch, a)
+
+
+def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):
+    """{stage shape: compiled train program} and the compiled validation program, ahead of time."""
+    programs, val_step = lower_steps(hp, mesh, params, buffers, opt_state, fp8, prefix_V)
+    return {shape: lowered.compile() for shape, lowered in programs.items()}, val_step.compile()
 
 
 def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batches, val_batches, prefix_V):
@@ -2438,6 +2443,10 @@ def parse_args(argv=None):
                         ",".join(str(s.batch_size) for s in RECORD_STAGES) + ")")
     stages.add_argument("--stage-max-seq-lens", metavar="L0,L1,L2,L3", help="documents are cut at this length (record: "
                         + ",".join(str(s.max_seq_len) for s in RECORD_STAGES) + ")")
+    stages.add_argument("--stage-mtp-terms", metavar="N0,N1,N2,N3", help="multi-token-prediction terms: each stage "
+                        "keeps the first N of its MTP weights (record: " +
+                        ",".join(str(len(s.mtp_start)) for s in RECORD_STAGES) + "; 1,1,1,1: next token only, one "
+                        "train program for every stage)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
@@ -2448,9 +2457,13 @@ def parse_args(argv=None):
 
 
 def with_stage_flags(hp: Hyperparameters, args) -> Hyperparameters:
-    """hp with the stage table's batch sizes and document lengths from --stage-batch-sizes/-max-seq-lens."""
+    """hp with the stage table's batch sizes, document lengths and MTP terms from --stage-batch-sizes,
+    --stage-max-seq-lens and --stage-mtp-terms."""
     stages = list(hp.stages)
-    for flag, field in [("--stage-batch-sizes", "batch_size"), ("--stage-max-seq-lens", "max_seq_len")]:
+    mtp_terms = lambda s, n: dict(mtp_start=s.mtp_start[:n], mtp_end=s.mtp_end[:n])  # noqa: E731
+    for flag, now, change in [("--stage-batch-sizes", lambda s: s.batch_size, lambda s, v: dict(batch_size=v)),
+                              ("--stage-max-seq-lens", lambda s: s.max_seq_len, lambda s, v: dict(max_seq_len=v)),
+                              ("--stage-mtp-terms", lambda s: len(s.mtp_start), mtp_terms)]:
         text = getattr(args, flag[2:].replace("-", "_"))
         if text is None:
             continue
@@ -2460,8 +2473,12 @@ def with_stage_flags(hp: Hyperparameters, args) -> Hyperparameters:
             values = []
         if len(values) != len(stages):
             raise ConfigError(f"{flag} {text!r}: give {len(stages)} comma-separated integers (stages 0-2 and the "
-                              f"extension), e.g. {','.join(str(getattr(s, field)) for s in stages)}")
-        stages = [dataclasses.replace(s, **{field: v}) for s, v in zip(stages, values)]
+                              f"extension), e.g. {','.join(str(now(s)) for s in stages)}")
+        bad = [f"stage {k} has {now(s)}" for k, (s, n) in enumerate(zip(stages, values))
+               if flag == "--stage-mtp-terms" and not 1 <= n <= now(s)]
+        if bad:
+            raise ConfigError(f"{flag} {text!r}: a stage keeps 1 up to its number of MTP weights ({', '.join(bad)})")
+        stages = [dataclasses.replace(s, **change(s, v)) for s, v in zip(stages, values)]
     return dataclasses.replace(hp, stages=tuple(stages))
 
 

@@ -34,9 +34,12 @@ TINY_BOS = TINY_VOCAB - 1
 # A tiny run of train_gpt.py: the cpu preset's model (11 layers, head size 16) on chunks of 128 tokens
 # (8 per step, documents cut at 128), 6 scheduled steps + 1 extension step, so every stage, the split,
 # the extension, the final windows and the end of the FP8 bootstrap come by; validation every 3 steps
-# on one batch. Three train programs (one per MTP length) and the validation step.
+# on one batch. One MTP term in every stage, so one train program serves every stage: a cold start
+# compiles it and the validation step (~40 s of CPU; the schedule's three MTP programs would take
+# twice that); test_train lowers the three.
 TINY_FLAGS = {"--preset": "cpu", "--vocab-size": TINY_VOCAB, "--bos-id": TINY_BOS, "--bigram-vocab-size": 1024,
               "--stage-batch-sizes": "1024,1024,1024,1024", "--stage-max-seq-lens": "128,128,128,128",
+              "--stage-mtp-terms": "1,1,1,1",
               "--num-scheduled-iterations": 6, "--num-extension-iterations": 1, "--fp8-bootstrap-steps": 2,
               "--muon-momentum-warmup-steps": 2, "--muon-momentum-cooldown-steps": 1, "--val-tokens": 1024,
               "--val-batch-size": 1024, "--val-loss-every": 3}
@@ -116,7 +119,7 @@ def tiny_args(synthetic_shards):
 def tiny_attempt(tiny_args):
     """One real record attempt at the tiny settings, shared by the tests that need logs of real runs
     (test_attempt, test_records, test_train): `records/attempt.py --runs 2 --seed 0`, two runs of
-    train_gpt.py with seeds 0 and 1 (the second finds the first's programs in the compile cache), each
+    train_gpt.py with seeds 0 and 1 (the second finds the first's program in the compile cache), each
     with --save-weights to one file (the second run's weights replace the first's). Returns its records
     folder, the finished process (returncode, stdout, stderr), {seed: log path} and the weights file."""
     from records.logs import parse_log

@@ -51,6 +51,8 @@ def test_presets_pass_their_own_rules():
     (["--stage-batch-sizes", "1024,1024"], "--stage-batch-sizes '1024,1024': give 4 comma-separated integers"),
     (["--stage-batch-sizes", "1000,1024,1024,1024"], "stage 0: batch 1000 must split into 8 ranks"),
     (["--stage-max-seq-lens", "128,x,128,128"], "--stage-max-seq-lens '128,x,128,128': give 4"),
+    (["--stage-mtp-terms", "3,2,1"], "--stage-mtp-terms '3,2,1': give 4 comma-separated integers"),
+    (["--stage-mtp-terms", "3,3,1,0"], "a stage keeps 1 up to its number of MTP weights (stage 1 has 2, stage 3 has 1)"),
 ])
 def test_bad_flags_exit_2_before_any_work(argv, expect, tmp_path, capsys):
     assert tg.main([*argv, "--records-dir", str(tmp_path / "records")]) == 2
@@ -61,12 +63,17 @@ def test_bad_flags_exit_2_before_any_work(argv, expect, tmp_path, capsys):
 
 def test_stage_flags_change_only_their_field():
     args, overrides = tg.parse_args(["--stage-batch-sizes", "1024,2048,3072,3072", "--stage-max-seq-lens",
-                                     "128,256,256,512"])
+                                     "128,256,256,512", "--stage-mtp-terms", "2,1,1,1"])
     hp = tg.with_stage_flags(dataclasses.replace(tg.PRESETS["cpu"], **overrides), args)
     assert [s.batch_size for s in hp.stages] == [1024, 2048, 3072, 3072]
     assert [s.max_seq_len for s in hp.stages] == [128, 256, 256, 512]
+    # the first N weights of each stage, start and end alike: stage 0 (1, .5, .25) -> (1, .5, 0) keeps two
+    assert [(s.mtp_start, s.mtp_end) for s in hp.stages] == [((1.0, 0.5), (1.0, 0.5)), ((1.0,), (1.0,)),
+                                                              ((1.0,), (1.0,)), ((1.0,), (1.0,))]
+    assert [tg.loss_weights(step, hp)[0].shape for step in (0, hp.total_steps - 1)] == [(2,), (1,)]
     for new, old in zip(hp.stages, tg.PRESETS["cpu"].stages):
-        assert dataclasses.replace(new, batch_size=old.batch_size, max_seq_len=old.max_seq_len) == old
+        assert dataclasses.replace(new, batch_size=old.batch_size, max_seq_len=old.max_seq_len,
+                                   mtp_start=old.mtp_start, mtp_end=old.mtp_end) == old
 
 
 def test_a_copy_of_the_script_runs_alone_and_import_has_no_side_effects(tmp_path):

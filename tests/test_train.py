@@ -33,7 +33,24 @@ def test_a_tiny_run_writes_a_log_that_parses_back(tiny_attempt):
     assert f"step:{TINY_STEPS}/{TINY_STEPS} val_loss:{log.val_curve[-1][1]:.4f}" in tiny_attempt.proc.stdout
     text = open(tiny_attempt.logs[0]).read()
     assert "stages at [0, 2, 4, 6], batch [1024, 1024, 1024, 1024] tokens as 8 chunks" in text
-    assert "compile: " in text and "for 3 train programs and the validation step" in text  # one per MTP length
+    assert "compile: " in text and "for 1 train program and the validation step" in text  # --stage-mtp-terms 1,1,1,1
+
+
+def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_lowers(tiny_hp):
+    """Without --stage-mtp-terms the tiny schedule keeps the record's 3, 2, 1, 1 MTP terms: a train
+    program per MTP length (the tiny runs compile only the one-term program); each traces and lowers
+    (not compiled here: ~80 s of CPU), and takes that many MTP weights."""
+    hp = tg.dataclasses.replace(tiny_hp, stages=tg.PRESETS["cpu"].stages)
+    hp = tg.dataclasses.replace(hp, stages=tuple(tg.dataclasses.replace(s, batch_size=1024, max_seq_len=128)
+                                                 for s in hp.stages))
+    w = tg.init_params(hp, 0)
+    params, buffers = tg.trainable(w, hp), {k: w[k] for k in tg.buffer_shapes(hp)}
+    programs, _ = tg.lower_steps(hp, tg.make_mesh(), params, buffers, tg.init_optimizer_state(params, hp),
+                                        tg.fp8_state(w), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
+    assert list(programs) == [(128, 3), (128, 2), (128, 1)]  # chunk tokens, MTP terms
+    for (_, mtp), lowered in programs.items():
+        a = lowered.args_info[0][6]  # train_step(params, buffers, opt_state, fp8, x, y, a, ...): a's weights
+        assert a["mtp"].shape == (mtp,)
 
 
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "too_many_steps",
