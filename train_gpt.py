@@ -2456,29 +2456,38 @@ def parse_args(argv=None):
     return args, overrides
 
 
+def stage_flag_values(args, flag: str, now: list):
+    """The four integers of a stage-table flag (None when not given); `now`: the table's current ones."""
+    text = getattr(args, flag[2:].replace("-", "_"))
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(now):
+        raise ConfigError(f"{flag} {text!r}: give {len(now)} comma-separated integers (stages 0-2 and the "
+                          f"extension), e.g. {','.join(map(str, now))}")
+    return values
+
+
 def with_stage_flags(hp: Hyperparameters, args) -> Hyperparameters:
     """hp with the stage table's batch sizes, document lengths and MTP terms from --stage-batch-sizes,
     --stage-max-seq-lens and --stage-mtp-terms."""
     stages = list(hp.stages)
-    mtp_terms = lambda s, n: dict(mtp_start=s.mtp_start[:n], mtp_end=s.mtp_end[:n])  # noqa: E731
-    for flag, now, change in [("--stage-batch-sizes", lambda s: s.batch_size, lambda s, v: dict(batch_size=v)),
-                              ("--stage-max-seq-lens", lambda s: s.max_seq_len, lambda s, v: dict(max_seq_len=v)),
-                              ("--stage-mtp-terms", lambda s: len(s.mtp_start), mtp_terms)]:
-        text = getattr(args, flag[2:].replace("-", "_"))
-        if text is None:
-            continue
-        try:
-            values = [int(v) for v in text.split(",")]
-        except ValueError:
-            values = []
-        if len(values) != len(stages):
-            raise ConfigError(f"{flag} {text!r}: give {len(stages)} comma-separated integers (stages 0-2 and the "
-                              f"extension), e.g. {','.join(str(now(s)) for s in stages)}")
-        bad = [f"stage {k} has {now(s)}" for k, (s, n) in enumerate(zip(stages, values))
-               if flag == "--stage-mtp-terms" and not 1 <= n <= now(s)]
+    for flag, field in [("--stage-batch-sizes", "batch_size"), ("--stage-max-seq-lens", "max_seq_len")]:
+        values = stage_flag_values(args, flag, [getattr(s, field) for s in stages])
+        if values:
+            stages = [dataclasses.replace(s, **{field: v}) for s, v in zip(stages, values)]
+    terms = stage_flag_values(args, "--stage-mtp-terms", [len(s.mtp_start) for s in stages])
+    if terms:
+        bad = [f"stage {k} has {len(s.mtp_start)}" for k, (s, n) in enumerate(zip(stages, terms))
+               if not 1 <= n <= len(s.mtp_start)]
         if bad:
-            raise ConfigError(f"{flag} {text!r}: a stage keeps 1 up to its number of MTP weights ({', '.join(bad)})")
-        stages = [dataclasses.replace(s, **change(s, v)) for s, v in zip(stages, values)]
+            raise ConfigError(f"--stage-mtp-terms {args.stage_mtp_terms!r}: a stage keeps 1 up to its number of MTP "
+                              f"weights ({', '.join(bad)})")
+        stages = [dataclasses.replace(s, mtp_start=s.mtp_start[:n], mtp_end=s.mtp_end[:n])
+                  for s, n in zip(stages, terms)]
     return dataclasses.replace(hp, stages=tuple(stages))
 
 

@@ -125,10 +125,9 @@ def tiny_attempt(tiny_args):
     from records.logs import parse_log
 
     def run(folder):
+        script_args = tiny_args(folder / "records", **{"--save-weights": folder / "weights.npz"})
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "records", "attempt.py"), "--runs", "2", "--seed",
-                               "0", *tiny_args(folder / "records", **{"--save-weights": folder / "weights.npz"})], cwd=ROOT,
-                              capture_output=True, text=True,
-                              timeout=900)
+                               "0", *script_args], cwd=ROOT, capture_output=True, text=True, timeout=900)
         (folder / "proc.json").write_text(json.dumps(dict(returncode=proc.returncode, stdout=proc.stdout,
                                                           stderr=proc.stderr)))
 

@@ -40,13 +40,13 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_low
     """Without --stage-mtp-terms the tiny schedule keeps the record's 3, 2, 1, 1 MTP terms: a train
     program per MTP length (the tiny runs compile only the one-term program); each traces and lowers
     (not compiled here: ~80 s of CPU), and takes that many MTP weights."""
-    hp = tg.dataclasses.replace(tiny_hp, stages=tg.PRESETS["cpu"].stages)
-    hp = tg.dataclasses.replace(hp, stages=tuple(tg.dataclasses.replace(s, batch_size=1024, max_seq_len=128)
-                                                 for s in hp.stages))
+    hp = tg.dataclasses.replace(tiny_hp, stages=tuple(
+        tg.dataclasses.replace(s, mtp_start=full.mtp_start, mtp_end=full.mtp_end)
+        for s, full in zip(tiny_hp.stages, tg.PRESETS["cpu"].stages)))
     w = tg.init_params(hp, 0)
     params, buffers = tg.trainable(w, hp), {k: w[k] for k in tg.buffer_shapes(hp)}
     programs, _ = tg.lower_steps(hp, tg.make_mesh(), params, buffers, tg.init_optimizer_state(params, hp),
-                                        tg.fp8_state(w), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
+                                 tg.fp8_state(w), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
     assert list(programs) == [(128, 3), (128, 2), (128, 1)]  # chunk tokens, MTP terms
     for (_, mtp), lowered in programs.items():
         a = lowered.args_info[0][6]  # train_step(params, buffers, opt_state, fp8, x, y, a, ...): a's weights
