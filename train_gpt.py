@@ -2180,18 +2180,24 @@ def program_steps(hp: Hyperparameters) -> list:
 VAL_KEYS = ("window_short", "window_long", "freq", "scale", "bos")  # the forward values validation reads
 
 
+def shape_of(x):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
 def lower_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):
-    """{stage shape: lowered train program} and the lowered validation program (traced, not compiled)."""
+    """{stage shape: lowered train program} and the lowered validation program (traced, not compiled).
+    The arguments may be arrays or their shapes (jax.ShapeDtypeStruct); the step's schedule values
+    go in as shapes, so a program lowers for devices this process has none of (tests/gpu/aot.py)."""
     train_step, val_step = make_train_step(hp, mesh), make_val_step(hp, mesh)
     by_chunk = NamedSharding(mesh, P("dp"))
     programs = {}
     for first in program_steps(hp):
         shape = stage_shape(first, hp)
         batch = jax.ShapeDtypeStruct((RANKS, shape[0]), jnp.int32, sharding=by_chunk)
-        a, sv, bootstrap = step_inputs(first, hp)
+        a, sv, bootstrap = jax.tree.map(shape_of, step_inputs(first, hp))
         programs[shape] = train_step.lower(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap, prefix_V)
     val_batch = jax.ShapeDtypeStruct((RANKS, hp.val_batch_size // RANKS), jnp.int32, sharding=by_chunk)
-    a = {k: v for k, v in schedule_values(0, hp).items() if k in VAL_KEYS}
+    a = {k: shape_of(v) for k, v in schedule_values(0, hp).items() if k in VAL_KEYS}
     return programs, val_step.lower(params, buffers, val_batch, val_batch, a)
 
 

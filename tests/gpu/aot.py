@@ -123,8 +123,9 @@ def ptxas_notes(notes: list):
 
 
 def record_programs(hp, mesh, which: str):
-    """[(name, lowered program, is_train)] of the record preset: the train program of each stage shape
-    (or only the last) and the validation program, on abstract arguments."""
+    """[(name, lowered program, is_train)] of the record preset, lowered by train_gpt's lower_steps (as
+    train() lowers them) on abstract arguments: each stage shape's train program and the validation
+    program, or only the last stage's train program."""
     rep, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     params = {k: jax.ShapeDtypeStruct(s, d, sharding=rep) for k, (s, d) in tg.param_shapes(hp).items()}
     weights = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in tg.buffer_shapes(hp).items()}
@@ -133,20 +134,11 @@ def record_programs(hp, mesh, which: str):
     fp8 = jax.eval_shape(tg.fp8_state, weights)  # its layout as train() gets it
     fp8 = {"next_w": abstract(fp8["next_w"], rep), "act": abstract(fp8["act"], by_chunk)}
     prefix_V = abstract(np.zeros(hp.padded_vocab, np.int32), rep)
-    train_step, val_step = tg.make_train_step(hp, mesh), tg.make_val_step(hp, mesh)
-    firsts = tg.program_steps(hp)
-    programs = []
-    for first in firsts[-1:] if which == "last" else firsts:
-        T, mtp = tg.stage_shape(first, hp)
-        batch = jax.ShapeDtypeStruct((tg.RANKS, T), jnp.int32, sharding=by_chunk)
-        a, sv, bootstrap = jax.tree.map(lambda x: abstract(x, rep), tg.step_inputs(first, hp))
-        programs.append((f"train chunk {T} mtp {mtp}", train_step.lower(params, buffers, opt_state, fp8, batch, batch, a,
-                                                                         sv, bootstrap, prefix_V), True))
-    if which == "all":
-        batch = jax.ShapeDtypeStruct((tg.RANKS, hp.val_batch_size // tg.RANKS), jnp.int32, sharding=by_chunk)
-        a = {k: abstract(v, rep) for k, v in tg.schedule_values(0, hp).items() if k in tg.VAL_KEYS}
-        programs.append((f"validation chunk {batch.shape[1]}", val_step.lower(params, buffers, batch, batch, a), False))
-    return programs
+    train, val = tg.lower_steps(hp, mesh, params, buffers, opt_state, fp8, prefix_V)
+    programs = [(f"train chunk {T} mtp {mtp}", lowered, True) for (T, mtp), lowered in train.items()]
+    if which == "last":
+        return programs[-1:]
+    return programs + [(f"validation chunk {hp.val_batch_size // tg.RANKS}", val, False)]
 
 
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
