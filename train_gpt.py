@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import NamedTuple
 
@@ -2202,9 +2203,12 @@ def lower_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pref
 
 
 def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):
-    """{stage shape: compiled train program} and the compiled validation program, ahead of time."""
+    """{stage shape: compiled train program} and the compiled validation program, ahead of time, all at
+    once: a thread each, as XLA compiles one program on about one core (JAX lets go of the GIL)."""
     programs, val_step = lower_steps(hp, mesh, params, buffers, opt_state, fp8, prefix_V)
-    return {shape: lowered.compile() for shape, lowered in programs.items()}, val_step.compile()
+    with ThreadPoolExecutor(len(programs) + 1) as pool:
+        *compiled, val_compiled = pool.map(lambda lowered: lowered.compile(), [*programs.values(), val_step])
+    return dict(zip(programs, compiled)), val_compiled
 
 
 def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batches, val_batches, prefix_V):

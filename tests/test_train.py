@@ -53,6 +53,30 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_low
         assert a["mtp"].shape == (mtp,)
 
 
+def test_compile_steps_compiles_every_program_at_once_and_keeps_each_by_its_shape(monkeypatch):
+    """With stand-in lowered programs whose compile() returns only when all are compiling (a barrier):
+    they run at once, and each compiled program comes back under its own stage shape although they
+    finish in reverse order."""
+    shapes = [(16384, 3), (32768, 2), (49152, 1)]
+    all_at_once, finished = tg.threading.Barrier(len(shapes) + 1, timeout=30), []
+
+    class Lowered:
+        def __init__(self, name, delay):
+            self.name, self.delay = name, delay
+
+        def compile(self):
+            all_at_once.wait()  # broken (an error) unless the 4 compiles are running together
+            tg.time.sleep(self.delay)
+            finished.append(self.name)
+            return f"compiled {self.name}"
+
+    programs = {shape: Lowered(shape, 0.1 * (len(shapes) - i)) for i, shape in enumerate(shapes)}
+    monkeypatch.setattr(tg, "lower_steps", lambda *args: (programs, Lowered("val", 0)))
+    compiled, val = tg.compile_steps(*[None] * 7)
+    assert compiled == {shape: f"compiled {shape}" for shape in shapes} and val == "compiled val"
+    assert finished == ["val", *reversed(shapes)]
+
+
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "too_many_steps",
                                   "records_dir", "vocab", "init_weights", "save_weights"])
 def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shards, tmp_path, capsys):
