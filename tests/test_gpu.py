@@ -38,6 +38,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 
 import jax
 import jax.numpy as jnp
@@ -797,15 +798,28 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the lane piece is the real lane, minutes long")
 def test_session_script_keeps_each_pieces_output_and_refuses_unknown_pieces(tmp_path):
-    script = os.path.join(ROOT, "tests", "gpu", "session.sh")
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "GPU_LANE_ON_CPU": "0"}
-    r = subprocess.run([script, "nope"], capture_output=True, text=True, env=env, timeout=60)
+    script, out = os.path.join(ROOT, "tests", "gpu", "session.sh"), tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_LANE_ON_CPU": "0"}
+    r = subprocess.run([script, "lane", "nope"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "unknown piece nope" in r.stderr
+    assert list(out.iterdir()) == []  # nothing ran
+
+    # a file of someone else's and an earlier session's pack in $OUT stay as they are
+    (out / "notes.txt").write_text("mine")
+    (out / "pieces_20261124_000000.tar.gz").write_text("an earlier session's")
     r = subprocess.run([script, "lane"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr  # without a GPU the lane's cases skip
-    summary = (tmp_path / "out" / "session.txt").read_text()
+    summary = (out / "session.txt").read_text()
     assert "== lane" in summary and "== lane: exit 0" in summary
-    assert "skipped" in (tmp_path / "out" / "lane.log").read_text()
+    packs = sorted(out.glob("pieces_*.tar.gz"))  # what the pieces wrote, in one new file
+    assert sorted(p.name for p in out.iterdir()) == sorted(["notes.txt", "session.txt", *(p.name for p in packs)])
+    assert len(packs) == 2 and packs[0].read_text() == "an earlier session's" and (out / "notes.txt").read_text() == "mine"
+    with tarfile.open(packs[1]) as tar:
+        assert tar.getnames() == ["lane.log"] and "skipped" in tar.extractfile("lane.log").read().decode()
+
+    # under 45 s of the budget left (after the 25 s kept back): the piece is skipped, and said so
+    r = subprocess.run([script, "lane"], capture_output=True, text=True, env={**env, "BUDGET_S": "60"}, timeout=60)
+    assert r.returncode == 1 and re.search(r"== lane: skipped, 3[45]s of BUDGET_S=60 left", r.stdout), r.stdout
 
 
 def cuda_plugin_installed() -> bool:

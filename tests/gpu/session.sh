@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU session's measurements (issue 34), one piece per process, each under `timeout`, all output
-# teed to $OUT (default ./gpu-out): run from the repository root on the GPU machine, which has
-# python3 with jax and no network. A device call lasts at most 10 minutes: name the pieces that fit.
+# kept in $OUT (default ./gpu-out): run from the repository root on the GPU machine, which has
+# python3 with jax and no network. A session has 15 minutes of device time (a machine's start
+# included) and a call at most 10: the script keeps to BUDGET_S seconds (default 540) in all, cutting
+# each piece's limit to what is left and skipping a piece when under 45 s are, and it packs what the
+# pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
+# most 8 files).
 #
-#   tests/gpu/session.sh lane short-xla             # call 1: the GPU lane, then the short run
-#   tests/gpu/session.sh short-pallas short-record20 bench
+#   tests/gpu/session.sh short-xla lane short-pallas   # call 1 (timeout_s 580): does the record run,
+#                                                     # how fast, the GPU lane, the fused attention
+#   BUDGET_S=150 tests/gpu/session.sh short-record20   # call 2 at once, on the warm machine, if time is left
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
-#                                                   # bisecting a crash: the environment passes through
+#                                                     # bisecting a crash: the environment passes through
 #
 # Pieces:
 #   lane            python3 -m pytest -q tests/test_gpu.py                                  (limit 420 s)
@@ -22,7 +27,7 @@
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
-# tokens_per_s, compile_s) of the record logs in $OUT/rec.
+# tokens_per_s, compile_s) of the record logs in rec/ of the packed output.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-./gpu-out}
@@ -34,6 +39,8 @@ DATA=${GPU_SESSION_DATA:-}
 # register spills (tests/gpu/aot.py --sweep, 2026-11-25: every 4-warp configuration but fwd 32/4 spills, so
 # does dkv 128/8; tile 128 with 3-4 stages (fwd: 4) exceeds the shared memory)
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
+BUDGET_S=${BUDGET_S:-540}
+PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
 status=0
 
 say() { echo "$*" | tee -a "$OUT/session.txt"; }
@@ -41,10 +48,17 @@ say() { echo "$*" | tee -a "$OUT/session.txt"; }
 piece() {  # piece NAME LIMIT_S COMMAND...: run it, keep its whole output, say how it ended
     local name=$1 limit=$2
     shift 2
-    say "== $name ($(date -u +%H:%M:%S)): $*"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local left=$((BUDGET_S - SECONDS - PACKING_S))
+    if [ "$left" -lt 45 ]; then
+        say "== $name: skipped, ${left}s of BUDGET_S=${BUDGET_S} left"
+        status=1
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    say "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    [ "$rc" = 124 ] && say "== $name: timed out after ${limit}s"
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && say "== $name: timed out after ${limit}s"
     say "== $name: exit $rc"
     tail -n 15 "$OUT/$name.log" | tee -a "$OUT/session.txt"
     [ "$rc" = 0 ] || status=1
@@ -57,6 +71,15 @@ shards() {  # the short runs' data, written once
             --mean-doc-len 1000 --vocab 50257
     fi
 }
+
+PIECES="lane short-xla short-pallas short-record20 bench sweep"
+for p in "$@"; do  # every name checked before anything runs
+    case " $PIECES " in
+        *" $p "*) ;;
+        *) echo "tests/gpu/session.sh: unknown piece $p ($PIECES)" >&2
+           exit 2 ;;
+    esac
+done
 
 for p in "$@"; do
     case "$p" in
@@ -76,8 +99,17 @@ for p in "$@"; do
         bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/profile" --out "$OUT/suite.txt" ;;  # the
             # table keeps the profile's top ops; the raw trace (tens of MB) stays on the machine
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$OUT/sweep.txt" ;;
-        *) echo "tests/gpu/session.sh: unknown piece $p (lane, short-xla, short-pallas, short-record20, bench, sweep)" >&2
-           exit 2 ;;
     esac
 done
+# what the pieces wrote in one file (a device call brings back at most 8), under a new name
+pack=pieces_$(date -u +%Y%m%d_%H%M%S).tar.gz
+written=()
+for f in synthetic.log lane.log short-xla.log short-pallas.log short-record20.log bench.log sweep.log rec suite.txt \
+         sweep.txt; do
+    [ -e "$OUT/$f" ] && written+=("$f")
+done
+if [ "${#written[@]}" -gt 0 ]; then
+    tar -czf "$OUT/$pack" -C "$OUT" --remove-files "${written[@]}" || say "== packing failed: the files stay in $OUT"
+    say "== the pieces' output: $OUT/$pack ($(date -u +%H:%M:%S), ${SECONDS}s of BUDGET_S=${BUDGET_S})"
+fi
 exit $status
