@@ -4,6 +4,7 @@
   python bench.py                                       # model forward+backward of one chunk per stage shape
   python bench.py --attention pallas                    # the same with the fused attention kernels
   python bench.py --sweep fwd:128/8/2,dq:64/8/3         # the Pallas kernels' tiles, warps, stages: a row each
+  python bench.py --profile DIR                         # the profile alone (below): the quickest look
 
 Shapes: the record preset on a GPU; elsewhere `tiny` (the cpu preset's model, head size 16, with a
 8,192-token vocabulary and chunks of 512 tokens in every stage). `--preset smoke` is the smallest shape
@@ -23,8 +24,11 @@ The suite measures
               its loss; the optimizer step (NorMuon + Adam, all parameters); the validation step;
   memory      peak device memory after the train steps (device memory_stats; n/a on CPU) and XLA's
               buffer-assignment peak of the last stage's compiled program;
-  profile     with --profile DIR: a jax.profiler trace of a few train steps of the last stage and the
-              top 15 device ops by self time (on CPU the XLA:CPU thunks).
+  profile     with --profile DIR: a jax.profiler trace of a few train steps of the last stage, the
+              top 15 device ops by self time (on CPU the XLA:CPU thunks) and the 20 source lines of
+              train_gpt.py with the most device time (each op's under the innermost two frames of
+              its HLO metadata, as tests/gpu/aot.py's static estimate ranks them). Without --suite,
+              only this, of that program compiled alone.
 
 FLOPs. "GFLOP" is useful work counted analytically: 2 per multiply-add of every matmul (attention
 Q, K, V, O on 10 layers, the MLPs on 11, the head, the MUDD networks), x3 for forward+backward;
@@ -71,6 +75,7 @@ def small(vocab: int, chunk: int, seq: int, one_program: bool = False):
 PRESETS = {**tg.PRESETS, "tiny": small(8192, 512, 512), "smoke": small(1024, 128, 128, one_program=True)}
 PROFILE_STEPS = 3
 TOP_OPS = 15
+TOP_SOURCES = 20  # source lines of train_gpt.py with the most device time
 BOS_RATE = 1 / 1000  # documents of ~1,000 tokens, like FineWeb's
 
 
@@ -427,6 +432,7 @@ def train_rows(table, hp, mesh, rng, repeats):
 DERIVED_LINES = {"XLA Modules", "Steps", "Framework Ops", "Framework Name Scope", "Source code", "TensorFlow Ops",
                  "TensorFlow Name Scope", "Launch Stats"}
 HLO_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]+)"', re.M)
+HLO_OP_FRAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?(stack_frame_id=\d+)', re.M)
 
 
 def profile_rows(train_state, trace_dir):
@@ -488,11 +494,36 @@ def self_times(events: list) -> list:
     return out
 
 
+def source_of(text: str):
+    """A compiled HLO module's text -> where(attrs): 'function:line < caller:line', the innermost two
+    frames of the instruction with those attributes (its metadata's stack_frame_id), or '?'."""
+    def table(name):
+        block = re.search(rf"^{name}\n(.*?)(?:\n\n|\Z)", text, re.S | re.M)
+        return {int(line.split()[0]): line for line in block[1].splitlines()} if block else {}
+
+    functions = {i: line.split(None, 1)[1].strip('"') for i, line in table("FunctionNames").items()}
+    fields = lambda line: dict(re.findall(r"(\w+)=(\d+)", line))  # noqa: E731
+    locations = {i: fields(line) for i, line in table("FileLocations").items()}
+    frames = {i: fields(line) for i, line in table("StackFrames").items()}
+
+    def where(attrs):
+        frame = re.search(r"stack_frame_id=(\d+)", attrs)
+        chain, f = [], int(frame[1]) if frame else None
+        while f in frames and len(chain) < 2:
+            loc = locations[int(frames[f]["file_location_id"])]
+            chain.append(f"{functions[int(loc['function_name_id'])]}:{loc['line']}")
+            f = int(frames[f]["parent_frame_id"]) - 1  # the text's parent ids are one past the frame's (0: none)
+        return " < ".join(chain) or "?"
+    return where
+
+
 def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = "", k: int = TOP_OPS) -> dict:
     """The k device ops with the most self time: count and ms per step, % of the profiled step time."""
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     jax_names = dict(HLO_OP_NAME.findall(hlo_text))
+    where = source_of(hlo_text)
+    sources = {op: where(frame) for op, frame in HLO_OP_FRAME.findall(hlo_text)}
     total_us, count, kernel = defaultdict(float), defaultdict(int), {}
     for e, own_us in self_times(device_op_events(events)):
         op = e.get("args", {}).get("hlo_op") or e["name"]
@@ -503,9 +534,16 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
             "count": count[op] / steps, "ms": total_us[op] / 1e3 / steps,
             "pct_of_step": 100 * total_us[op] / 1e3 / steps / step_ms}
            for op in sorted(total_us, key=total_us.get, reverse=True)[:k]]
+    by_source, source_count = defaultdict(float), defaultdict(int)  # every op's time under its source line
+    for op, us in total_us.items():
+        by_source[sources.get(op, "?")] += us
+        source_count[sources.get(op, "?")] += count[op]
+    lines = [{"source": s, "count": source_count[s] / steps, "ms": by_source[s] / 1e3 / steps,
+              "pct_of_step": 100 * by_source[s] / 1e3 / steps / step_ms}
+             for s in sorted(by_source, key=by_source.get, reverse=True)[:TOP_SOURCES]]
     busy_ms = sum(total_us.values()) / 1e3 / steps
     return {"trace": trace_path, "steps": steps, "step_ms": step_ms, "device_busy_ms": busy_ms,
-            "device_busy_pct": 100 * busy_ms / step_ms, "top_ops": ops}
+            "device_busy_pct": 100 * busy_ms / step_ms, "top_ops": ops, "top_sources": lines}
 
 
 def short_op_name(op_name: str, width: int = 70) -> str:
@@ -525,6 +563,10 @@ def profile_lines(profile: dict) -> list:
     for op in profile["top_ops"]:
         where = short_op_name(op["jax_op"]) if op["jax_op"] else (op["kernel"] or "")[:70]
         out.append(f"{op['op'][:36]:<36}{op['count']:>8.4g}{op['ms']:>10.2f}{op['pct_of_step']:>8.1f}  {where}")
+    out += ["", "every device op's self time by its source line (tests/gpu/aot.py's estimate ranks the same lines)",
+            f"{'ms':>10}{'% step':>8}{'ops':>8}  source (function:line < caller:line)"]
+    for line in profile["top_sources"]:
+        out.append(f"{line['ms']:>10.2f}{line['pct_of_step']:>8.1f}{line['count']:>8.4g}  {line['source']}")
     return out
 
 
@@ -675,6 +717,27 @@ def model_mode(hp, args):
     return table
 
 
+def profile_mode(hp, args):
+    """The profile alone: the last stage's train program compiled by itself, a warm-up step, then
+    PROFILE_STEPS traced steps and their top device ops and source lines."""
+    mesh = tg.make_mesh()
+    state = tg.initial_state(hp, mesh)
+    prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), NamedSharding(mesh, P()))
+    first = tg.program_steps(hp)[-1]
+    shape = tg.stage_shape(first, hp)
+    programs, _ = tg.lower_steps(hp, mesh, *state, prefix_V)
+    t0 = time.perf_counter()
+    program = programs[shape].compile()
+    compile_s = time.perf_counter() - t0
+    inputs, targets = sample_chunks(np.random.default_rng(0), hp, tg.RANKS, shape[0])
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("dp"))) for a in (inputs, targets))
+    step_inputs = tg.step_inputs(first | 1, hp)  # an odd step: NorMuon and Adam
+    state, _ = run_train_steps(program, state, x, y, step_inputs, prefix_V, 1)  # warm-up
+    profile = profile_rows((program, state, x, y, step_inputs, prefix_V), args.profile)
+    return {"stage": tg.stage_of(first, hp)[0], "chunk": shape[0], "mtp_terms": shape[1], "compile_s": compile_s,
+            "profile": profile}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -688,11 +751,13 @@ def parse_args(argv=None):
                         help="attention implementation of the model, as in train_gpt.py (default xla)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median; default 3)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU (default 989)")
-    parser.add_argument("--profile", metavar="DIR", help="with --suite: trace train steps into DIR, list top ops")
+    parser.add_argument("--profile", metavar="DIR", help="trace train steps of the last stage into DIR and list the top "
+                        "device ops and source lines: with --suite, as its last section; alone, the quickest look (that "
+                        "program compiled by itself, nothing else measured)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
     args = parser.parse_args(argv)
-    if args.profile and not args.suite:
-        parser.error("--profile needs --suite")
+    if args.profile and args.sweep:
+        parser.error("--profile goes with --suite or alone, not with --sweep")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
     if args.sweep:
@@ -742,6 +807,12 @@ def main(argv=None) -> int:
                   "errors": errors}
         lines = [f"Pallas tuning sweep: preset {preset}, {result['device']}, jax {jax.__version__}", *table.lines(),
                  *(f"FAILED {e['section']}: {e['error'].splitlines()[0][:300]}" for e in errors)]
+    elif args.profile:
+        result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                  "attention": hp.attention, **profile_mode(hp, args)}
+        lines = [f"profile: preset {preset}, stage {result['stage']}'s train program (chunks of {result['chunk']:,}, "
+                 f"{result['mtp_terms']} MTP weights, attention {hp.attention}) compiled alone in "
+                 f"{result['compile_s']:.1f}s, {result['device']}, jax {jax.__version__}", *profile_lines(result["profile"])]
     else:
         table = model_mode(hp, args)
         result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": table.rows}

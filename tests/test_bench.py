@@ -3,6 +3,7 @@ traces, bad input, and the whole suite on CPU at the smoke shape (a subprocess).
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -125,6 +126,49 @@ def test_top_ops_on_a_gpu_read_device_lines_only(tmp_path):
     assert profile["device_busy_pct"] == pytest.approx(68.0)
 
 
+# Frames as XLA's compiled text lists them: loss:30 calls mlp:12 (two ops) and norm:7 (one op).
+FRAMES = """
+FileNames
+1 "train_gpt.py"
+
+FunctionNames
+1 "loss"
+2 "mlp"
+3 "norm"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=30 end_line=30 column=1 end_column=9}
+2 {file_name_id=1 function_name_id=2 line=12 end_line=12 column=1 end_column=9}
+3 {file_name_id=1 function_name_id=3 line=7 end_line=7 column=1 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=0}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=2}
+"""
+
+
+def test_device_time_is_summed_by_source_line(tmp_path):
+    """Every op's self time under its instruction's innermost two frames, ranked; ops without a frame
+    under '?'; the lines' times add up to the device's busy time."""
+    hlo = "\n".join(f'  %{name} = f32[2]{{0}} fusion(%p), kind=kLoop, metadata={{op_name="x" stack_frame_id={frame}}}'
+                    for name, frame in (("fusion.1", 2), ("gemm.2", 2), ("fusion.3", 3))) + "\n" + FRAMES
+    events = [meta(2, process="/device:GPU:0"), meta(2, 1, thread="XLA Ops")]
+    for step in range(2):
+        t0 = 1000 * step
+        events += [op(2, 1, "fusion.1", t0, 40), op(2, 1, "gemm.2", t0 + 50, 100), op(2, 1, "fusion.3", t0 + 200, 70),
+                   op(2, 1, "copy.4", t0 + 300, 10)]
+    path = tmp_path / "gpu.trace.json.gz"
+    write_trace(path, events)
+    profile = bench.top_device_ops(str(path), steps=2, step_ms=0.4, hlo_text=hlo)
+    assert [(r["source"], r["count"]) for r in profile["top_sources"]] == [
+        ("mlp:12 < loss:30", 2), ("norm:7 < loss:30", 1), ("?", 1)]
+    assert [r["ms"] for r in profile["top_sources"]] == pytest.approx([0.14, 0.07, 0.01])
+    assert profile["top_sources"][0]["pct_of_step"] == pytest.approx(35.0)
+    assert sum(r["ms"] for r in profile["top_sources"]) == pytest.approx(profile["device_busy_ms"])
+    assert "mlp:12 < loss:30" in "\n".join(bench.profile_lines({**profile, "trace": str(path)}))
+
+
 def test_a_missing_trace_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="trace.json.gz"):
         bench.latest_trace(str(tmp_path))
@@ -143,8 +187,8 @@ def test_a_failing_section_is_recorded_and_the_rest_goes_on(capsys):
 
 def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        bench.parse_args(["--profile", "somewhere"])
-    assert e.value.code == 2 and "--profile needs --suite" in capsys.readouterr().err
+        bench.parse_args(["--profile", "somewhere", "--sweep", "fwd:128/8/2"])
+    assert e.value.code == 2 and "--profile goes with --suite or alone" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--repeats", "0"])
     assert e.value.code == 2 and "--repeats 0" in capsys.readouterr().err
@@ -174,6 +218,27 @@ def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, caps
 
 ROW_FIELDS = {"ms", "tokens_per_s", "gflop", "tflops", "mfu", "mfu_nominal", "xla_gflop", "xla_loop", "compile_s",
               "note"}
+
+
+def test_the_profile_alone_compiles_the_last_stages_program_and_ranks_its_ops_and_lines(tmp_path, capsys):
+    out = tmp_path / "profile.txt"
+    assert bench.main(["--preset", "smoke", "--profile", str(tmp_path / "trace"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert out.read_text() == printed
+    table, line = printed.rstrip("\n").rsplit("\n", 1)
+    result = json.loads(line)
+    assert tg.program_steps(bench.PRESETS["smoke"]) == [0]  # one program serves every stage: stage 0's
+    assert table.startswith("profile: preset smoke, stage 0's train program (chunks of 128, 1 MTP weights")
+    assert result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (0, 128)
+    profile = result["profile"]
+    assert profile["steps"] == bench.PROFILE_STEPS and profile["trace"].startswith(str(tmp_path / "trace"))
+    assert 0 < len(profile["top_ops"]) <= bench.TOP_OPS and 0 < len(profile["top_sources"]) <= bench.TOP_SOURCES
+    ms = [r["ms"] for r in profile["top_sources"]]
+    assert ms == sorted(ms, reverse=True) and ms[-1] > 0
+    assert sum(ms) <= profile["device_busy_ms"] * (1 + 1e-9)
+    named = [r["source"] for r in profile["top_sources"] if r["source"] != "?"]
+    assert any(re.match(r"(gpt_hidden|attention|sequence_loss|device_step\S*):\d+ < ", s) for s in named), named
+    assert all(r["source"] in table for r in profile["top_sources"])
 
 
 def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
@@ -219,3 +284,4 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
         assert op["ms"] > 0 and op["count"] > 0 and 0 < op["pct_of_step"] <= 100, op
     assert any(op["jax_op"] for op in profile["top_ops"])
     assert "profile:" in table and profile["top_ops"][0]["op"] in table
+    assert profile["top_sources"] and profile["top_sources"][0]["source"] in table

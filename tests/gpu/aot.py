@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from bench import parse_sweep  # noqa: E402
+from bench import parse_sweep, source_of  # noqa: E402
 from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, parse_hlo  # noqa: E402
 
 # An H100 SXM 80GB as XLA's GpuTargetConfig describes a device (the figures CUDA reports for it:
@@ -155,28 +155,6 @@ FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "a
 def type_bytes(type_: str) -> int:
     return sum(ELEMENT_BYTES.get(t, 4) * int(np.prod([int(d) for d in shape.split(",") if d]))
                for t, shape in re.findall(r"(\w+)\[([\d,]*)\]", type_))
-
-
-def source_of(text: str):
-    """attrs -> 'function:line < caller:line' of the instruction's innermost two frames."""
-    def table(name):
-        block = re.search(rf"^{name}\n(.*?)(?:\n\n|\Z)", text, re.S | re.M)
-        return {int(line.split()[0]): line for line in block[1].splitlines()} if block else {}
-
-    functions = {i: line.split(None, 1)[1].strip('"') for i, line in table("FunctionNames").items()}
-    fields = lambda line: dict(re.findall(r"(\w+)=(\d+)", line))  # noqa: E731
-    locations = {i: fields(line) for i, line in table("FileLocations").items()}
-    frames = {i: fields(line) for i, line in table("StackFrames").items()}
-
-    def where(attrs):
-        frame = re.search(r"stack_frame_id=(\d+)", attrs)
-        chain, f = [], int(frame[1]) if frame else None
-        while f in frames and len(chain) < 2:
-            loc = locations[int(frames[f]["file_location_id"])]
-            chain.append(f"{functions[int(loc['function_name_id'])]}:{loc['line']}")
-            f = int(frames[f]["parent_frame_id"]) - 1  # the text's parent ids are one past the frame's (0: none)
-        return " < ".join(chain) or "?"
-    return where
 
 
 def traffic(text: str) -> tuple:

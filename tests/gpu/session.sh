@@ -7,8 +7,9 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 #
-#   tests/gpu/session.sh short-xla lane short-pallas   # call 1 (timeout_s 580): does the record run,
-#                                                     # how fast, the GPU lane, the fused attention
+#   tests/gpu/session.sh short-xla profile-xla lane short-pallas
+#                          # call 1 (timeout_s 580): does the record run, how fast, where the time
+#                          # goes, the GPU lane, the fused attention
 #   BUDGET_S=150 tests/gpu/session.sh short-record20   # call 2 at once, on the warm machine, if time is left
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
@@ -21,9 +22,12 @@
 #                   val program, the smallest its batch allows; the issue's "1M") and at the end on
 #                   the full 10,485,760, a cold compile cache                             (limit 360 s)
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
-#   bench           python3 bench.py --suite --profile TMP/profile: the table in $OUT/suite.txt (limit 540 s)
+#   profile-IMPL    python3 bench.py --profile TMP --attention IMPL: the last stage's train program
+#                   alone, its top device ops and source lines, in profile-IMPL.txt       (limit 300 s)
+#   bench           python3 bench.py --suite --profile TMP: the table in bench.txt        (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
-#                   the record's last-stage chunk, a row each (default: SWEEP_DEFAULT below) (limit 540 s)
+#                   the record's last-stage chunk, a row each, in sweep.txt (default: SWEEP_DEFAULT
+#                   below)                                                                (limit 540 s)
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
@@ -72,7 +76,7 @@ shards() {  # the short runs' data, written once
     fi
 }
 
-PIECES="lane short-xla short-pallas short-record20 bench sweep"
+PIECES="lane short-xla short-pallas short-record20 profile-xla profile-pallas bench sweep"
 for p in "$@"; do  # every name checked before anything runs
     case " $PIECES " in
         *" $p "*) ;;
@@ -96,16 +100,17 @@ for p in "$@"; do
             piece "$p" 360 "$PY" records/record20/train_gpt.py --preset record --num-iterations 30 --val-loss-every 0 \
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
                 --records-dir "$OUT/rec" --compile-cache-dir "" ;;
-        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/profile" --out "$OUT/suite.txt" ;;  # the
-            # table keeps the profile's top ops; the raw trace (tens of MB) stays on the machine
+        # the tables keep the profile's top ops and lines; the raw trace (tens of MB) stays on the machine
+        profile-xla|profile-pallas)
+            piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --out "$OUT/$p.txt" ;;
+        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --out "$OUT/bench.txt" ;;
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$OUT/sweep.txt" ;;
     esac
 done
 # what the pieces wrote in one file (a device call brings back at most 8), under a new name
 pack=pieces_$(date -u +%Y%m%d_%H%M%S).tar.gz
 written=()
-for f in synthetic.log lane.log short-xla.log short-pallas.log short-record20.log bench.log sweep.log rec suite.txt \
-         sweep.txt; do
+for f in synthetic.log rec $(for p in $PIECES; do echo "$p.log $p.txt"; done); do
     [ -e "$OUT/$f" ] && written+=("$f")
 done
 if [ "${#written[@]}" -gt 0 ]; then
