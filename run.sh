@@ -79,8 +79,9 @@ if [ "${1:-}" = "test" ]; then
     shift
     python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
     export HF_HUB_OFFLINE=1
-    exec python -m pytest -q -n 2 --dist worksteal tests "$@"  # two workers (tests/requirements.txt says why);
-    # worksteal: an idle worker takes queued tests from the busy one, so the long tests do not end alone
+    exec python -m pytest -q -n 2 --dist load --maxschedchunk 1 tests "$@"  # two workers (tests/requirements.txt says why);
+    # load, one test at a time: each test in order (the heavy ones first: conftest) to whichever worker
+    # is free, so that no long test ends alone
 fi
 if [ "$attempt" = 1 ]; then  # a bad --runs (or other attempt option) exits 2 here, before any data work
     python records/attempt.py --check "$@"

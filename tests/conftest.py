@@ -59,6 +59,13 @@ def pytest_configure(config):
     import train_gpt
 
     train_gpt.enable_compile_cache(COMPILE_CACHE)  # before anything compiles: JAX reads it once
+    config.addinivalue_line("markers", "heavy: a test of 15 s or more (whole runs, compiles); run first")
+
+
+def pytest_collection_modifyitems(items):
+    """The heavy tests first (in file order): ./run.sh test's two workers (--dist load, one test at a
+    time) each take the next when free, so they run the long ones side by side and end together."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 def pytest_unconfigure(config):

@@ -220,6 +220,7 @@ ROW_FIELDS = {"ms", "tokens_per_s", "gflop", "tflops", "mfu", "mfu_nominal", "xl
               "note"}
 
 
+@pytest.mark.heavy
 def test_the_profile_alone_compiles_the_last_stages_program_and_ranks_its_ops_and_lines(tmp_path, capsys):
     out = tmp_path / "profile.txt"
     assert bench.main(["--preset", "smoke", "--profile", str(tmp_path / "trace"), "--out", str(out)]) == 0
@@ -241,6 +242,7 @@ def test_the_profile_alone_compiles_the_last_stages_program_and_ranks_its_ops_an
     assert all(r["source"] in table for r in profile["top_sources"])
 
 
+@pytest.mark.heavy
 def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
     out = tmp_path / "results" / "suite.txt"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--suite", "--preset", "smoke",

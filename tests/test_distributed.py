@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from conftest import TINY_VAL_STEPS, TINY_VOCAB
 from records.logs import parse_log
@@ -40,6 +41,7 @@ def finish(proc, timeout=600):
     return out
 
 
+@pytest.mark.heavy
 def test_one_device_and_two_processes_of_four_devices_train_the_same(tiny_attempt, tiny_args, tmp_path):
     """The tiny run (conftest's attempt, seed 0: one device scanning the step's 8 chunks) against the
     same flags on 2 processes of 4 devices (8 devices, a chunk each, gradients summed across devices
@@ -66,6 +68,7 @@ def test_one_device_and_two_processes_of_four_devices_train_the_same(tiny_attemp
     assert losses_one[-1] < losses_one[0] - 0.3  # and the steps did learn something
 
 
+@pytest.mark.heavy
 def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_path):
     """Process 1 is killed once both have joined the run (process 0 says it is compiling); process 0
     learns it from the coordination service's heartbeat. Bound: --heartbeat-timeout 10 s plus
