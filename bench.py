@@ -786,7 +786,7 @@ def main(argv=None) -> int:
                 raise OSError(f"--out {args.out}: cannot write a file there")
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "tiny")
         hp = dataclasses.replace(PRESETS[preset], attention=args.attention)
-        if args.suite and tg.RANKS % jax.device_count():
+        if (args.suite or args.profile) and tg.RANKS % jax.device_count():
             raise ValueError(f"the step's {tg.RANKS} chunks do not split evenly over {jax.device_count()} devices: "
                              f"use 1, 2, 4 or 8")
     except (OSError, ValueError) as e:

@@ -80,8 +80,8 @@ if [ "${1:-}" = "test" ]; then
     python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
     export HF_HUB_OFFLINE=1
     exec python -m pytest -q -n 2 --dist load --maxschedchunk 1 tests "$@"  # two workers (tests/requirements.txt says why);
-    # load, one test at a time: each test in order (the heavy ones first: conftest) to whichever worker
-    # is free, so that no long test ends alone
+    # load, one test at a time: the tests in order (the heavy ones first: conftest) to the workers as
+    # they free up (each keeps one queued), so that no long test ends alone
 fi
 if [ "$attempt" = 1 ]; then  # a bad --runs (or other attempt option) exits 2 here, before any data work
     python records/attempt.py --check "$@"

@@ -2206,8 +2206,11 @@ def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pr
     """{stage shape: compiled train program} and the compiled validation program, ahead of time, all at
     once: a thread each, as XLA compiles one program on about one core (JAX lets go of the GIL)."""
     programs, val_step = lower_steps(hp, mesh, params, buffers, opt_state, fp8, prefix_V)
-    with ThreadPoolExecutor(len(programs) + 1) as pool:
+    pool = ThreadPoolExecutor(len(programs) + 1)
+    try:
         *compiled, val_compiled = pool.map(lambda lowered: lowered.compile(), [*programs.values(), val_step])
+    finally:  # an interrupt goes on at once, not after the other compiles (they end on their own)
+        pool.shutdown(wait=False, cancel_futures=True)
     return dict(zip(programs, compiled)), val_compiled
 
 

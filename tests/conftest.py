@@ -64,7 +64,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     """The heavy tests first (in file order): ./run.sh test's two workers (--dist load, one test at a
-    time) each take the next when free, so they run the long ones side by side and end together."""
+    time as they free up) run the long ones side by side and end together."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 

@@ -801,25 +801,35 @@ def test_session_script_keeps_each_pieces_output_and_refuses_unknown_pieces(tmp_
     script, out = os.path.join(ROOT, "tests", "gpu", "session.sh"), tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_LANE_ON_CPU": "0"}
     r = subprocess.run([script, "lane", "nope"], capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 2 and "unknown piece nope" in r.stderr
+    assert r.returncode == 2 and "unknown piece 'nope'" in r.stderr
     assert list(out.iterdir()) == []  # nothing ran
 
-    # a file of someone else's and an earlier session's pack in $OUT stay as they are
-    (out / "notes.txt").write_text("mine")
-    (out / "pieces_20261124_000000.tar.gz").write_text("an earlier session's")
+    # files of someone else's, named as the pieces' output, and an earlier pack in $OUT stay as they are
+    (out / "rec").mkdir()
+    theirs = {"lane.log": "mine", "sweep.txt": "mine", "rec/old.txt": "mine",
+              "pieces_19700101_000000.tar.gz": "an earlier session's"}
+    for name, text in theirs.items():
+        (out / name).write_text(text)
     r = subprocess.run([script, "lane"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr  # without a GPU the lane's cases skip
     summary = (out / "session.txt").read_text()
     assert "== lane" in summary and "== lane: exit 0" in summary
-    packs = sorted(out.glob("pieces_*.tar.gz"))  # what the pieces wrote, in one new file
-    assert sorted(p.name for p in out.iterdir()) == sorted(["notes.txt", "session.txt", *(p.name for p in packs)])
-    assert len(packs) == 2 and packs[0].read_text() == "an earlier session's" and (out / "notes.txt").read_text() == "mine"
-    with tarfile.open(packs[1]) as tar:
-        assert tar.getnames() == ["lane.log"] and "skipped" in tar.extractfile("lane.log").read().decode()
+    assert {name: (out / name).read_text() for name in theirs} == theirs
+    packs = [p for p in out.glob("pieces_*.tar.gz") if p.name not in theirs]  # this call's, one new file
+    assert len(packs) == 1 and packs[0].name in summary
+    assert sorted(p.name for p in out.iterdir()) == sorted(["lane.log", "sweep.txt", "rec", "session.txt",
+                                                             "pieces_19700101_000000.tar.gz", packs[0].name])
+    with tarfile.open(packs[0]) as tar:
+        assert [n for n in tar.getnames() if n != "."] == ["./lane.log"]
+        assert "skipped" in tar.extractfile("./lane.log").read().decode()
 
     # under 45 s of the budget left (after the 25 s kept back): the piece is skipped, and said so
     r = subprocess.run([script, "lane"], capture_output=True, text=True, env={**env, "BUDGET_S": "60"}, timeout=60)
     assert r.returncode == 1 and re.search(r"== lane: skipped, 3[45]s of BUDGET_S=60 left", r.stdout), r.stdout
+    for bad_env, bad_args, says in (({"BUDGET_S": "9m"}, ["lane"], "BUDGET_S=9m: give whole seconds"),
+                                    ({}, ["lane short-xla"], "unknown piece 'lane short-xla'")):
+        r = subprocess.run([script, *bad_args], capture_output=True, text=True, env={**env, **bad_env}, timeout=60)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
 
 
 def cuda_plugin_installed() -> bool:

@@ -77,6 +77,36 @@ def test_compile_steps_compiles_every_program_at_once_and_keeps_each_by_its_shap
     assert finished == ["val", *reversed(shapes)]
 
 
+def test_an_interrupt_while_compiling_goes_on_without_waiting_for_the_compiles(monkeypatch):
+    """A signal handler's exception (train()'s Interrupted, here KeyboardInterrupt) raised while the
+    stand-in compiles still run leaves compile_steps at once; they end later, on their own."""
+    release, finished = tg.threading.Event(), []
+
+    class Lowered:
+        def compile(self):
+            finished.append(release.wait(timeout=30))  # True: released by the test, after the interrupt
+            return "compiled"
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tg, "lower_steps", lambda *args: ({(128, 1): Lowered()}, Lowered()))
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            tg.compile_steps(*[None] * 7)
+        assert finished == []  # the compiles were still running when compile_steps gave up
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+    for _ in range(100):
+        if len(finished) < 2:
+            tg.time.sleep(0.05)
+    assert finished == [True, True]
+
+
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "too_many_steps",
                                   "records_dir", "vocab", "init_weights", "save_weights"])
 def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shards, tmp_path, capsys):

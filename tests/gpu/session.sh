@@ -45,6 +45,18 @@ DATA=${GPU_SESSION_DATA:-}
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
+PIECES="lane short-xla short-pallas short-record20 profile-xla profile-pallas bench sweep"
+if ! [[ "$BUDGET_S" =~ ^[0-9]+$ ]]; then
+    echo "tests/gpu/session.sh: BUDGET_S=$BUDGET_S: give whole seconds, e.g. BUDGET_S=540" >&2
+    exit 2
+fi
+for p in "$@"; do  # every name checked before anything runs
+    if ! [[ " $PIECES " == *" $p "* && "$p" =~ ^[a-z0-9-]+$ ]]; then
+        echo "tests/gpu/session.sh: unknown piece '$p' (pieces: $PIECES)" >&2
+        exit 2
+    fi
+done
+RUN=$(mktemp -d "$OUT/run.XXXXXX")  # what this call's pieces write, packed at the end
 status=0
 
 say() { echo "$*" | tee -a "$OUT/session.txt"; }
@@ -60,11 +72,12 @@ piece() {  # piece NAME LIMIT_S COMMAND...: run it, keep its whole output, say h
     fi
     [ "$left" -lt "$limit" ] && limit=$left
     say "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
-    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" > "$RUN/$name.log" 2>&1
     local rc=$?
-    [ "$rc" = 124 ] || [ "$rc" = 137 ] && say "== $name: timed out after ${limit}s"
+    [ "$rc" = 124 ] && say "== $name: timed out after ${limit}s"
+    [ "$rc" = 137 ] && say "== $name: killed (after ${limit}s and 10 more, or out of memory)"
     say "== $name: exit $rc"
-    tail -n 15 "$OUT/$name.log" | tee -a "$OUT/session.txt"
+    tail -n 15 "$RUN/$name.log" | tee -a "$OUT/session.txt"
     [ "$rc" = 0 ] || status=1
 }
 
@@ -76,15 +89,6 @@ shards() {  # the short runs' data, written once
     fi
 }
 
-PIECES="lane short-xla short-pallas short-record20 profile-xla profile-pallas bench sweep"
-for p in "$@"; do  # every name checked before anything runs
-    case " $PIECES " in
-        *" $p "*) ;;
-        *) echo "tests/gpu/session.sh: unknown piece $p ($PIECES)" >&2
-           exit 2 ;;
-    esac
-done
-
 for p in "$@"; do
     case "$p" in
         lane) piece lane 420 "$PY" -m pytest -q tests/test_gpu.py -k "not session_script" ;;  # (that test runs this)
@@ -94,27 +98,26 @@ for p in "$@"; do
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
                 --num-scheduled-iterations 27 --num-extension-iterations 3 \
                 --val-loss-every 10 --intermediate-val-tokens 2097152 \
-                --records-dir "$OUT/rec" --compile-cache-dir "" ;;
+                --records-dir "$RUN/rec" --compile-cache-dir "" ;;
         short-record20)
             shards
             piece "$p" 360 "$PY" records/record20/train_gpt.py --preset record --num-iterations 30 --val-loss-every 0 \
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
-                --records-dir "$OUT/rec" --compile-cache-dir "" ;;
+                --records-dir "$RUN/rec" --compile-cache-dir "" ;;
         # the tables keep the profile's top ops and lines; the raw trace (tens of MB) stays on the machine
         profile-xla|profile-pallas)
-            piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --out "$OUT/$p.txt" ;;
-        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --out "$OUT/bench.txt" ;;
-        sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$OUT/sweep.txt" ;;
+            piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --out "$RUN/$p.txt" ;;
+        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --out "$RUN/bench.txt" ;;
+        sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$RUN/sweep.txt" ;;
     esac
 done
-# what the pieces wrote in one file (a device call brings back at most 8), under a new name
+# what this call's pieces wrote in one file (a device call brings back at most 8), under a new name
 pack=pieces_$(date -u +%Y%m%d_%H%M%S).tar.gz
-written=()
-for f in synthetic.log rec $(for p in $PIECES; do echo "$p.log $p.txt"; done); do
-    [ -e "$OUT/$f" ] && written+=("$f")
-done
-if [ "${#written[@]}" -gt 0 ]; then
-    tar -czf "$OUT/$pack" -C "$OUT" --remove-files "${written[@]}" || say "== packing failed: the files stay in $OUT"
+[ -e "$OUT/$pack" ] && pack=pieces_$(date -u +%Y%m%d_%H%M%S)_$$.tar.gz
+if tar -czf "$OUT/$pack" -C "$RUN" . && rm -rf "$RUN"; then
     say "== the pieces' output: $OUT/$pack ($(date -u +%H:%M:%S), ${SECONDS}s of BUDGET_S=${BUDGET_S})"
+else
+    say "== packing failed: the pieces' output is in $RUN"
+    status=1
 fi
 exit $status
