@@ -382,6 +382,14 @@ def estimated_run_s(hp, ms_by_first: dict) -> float:
     return sum(shape_ms[tg.stage_shape(s, hp)] for s in range(hp.total_steps)) / 1e3
 
 
+def stage_batch(rng, hp, mesh, first: int):
+    """A step's random chunks at the shape of the stage starting at `first` (host inputs, then inputs
+    and targets on the devices) and the schedule values of an odd step there: NorMuon and Adam."""
+    inputs, targets = sample_chunks(rng, hp, tg.RANKS, tg.stage_shape(first, hp)[0])
+    x, y = (jax.device_put(a, NamedSharding(mesh, P("dp"))) for a in (inputs, targets))
+    return inputs, x, y, tg.step_inputs(first | 1, hp)
+
+
 def train_rows(table, hp, mesh, rng, repeats):
     """Compile the train programs and the validation step cold and warm, time each stage's program
     (synced, then pipelined for the last), read the peak memory, time the validation step."""
@@ -393,9 +401,7 @@ def train_rows(table, hp, mesh, rng, repeats):
     ms, last = {}, None
     for first in tg.program_steps(hp):
         shape = tg.stage_shape(first, hp)
-        inputs, targets = sample_chunks(rng, hp, tg.RANKS, shape[0])
-        x, y = (jax.device_put(a, by_chunk) for a in (inputs, targets))
-        step_inputs = tg.step_inputs(first | 1, hp)  # an odd step: NorMuon and Adam
+        inputs, x, y, step_inputs = stage_batch(rng, hp, mesh, first)
         state, _ = run_train_steps(programs[shape], state, x, y, step_inputs, prefix_V, 1)  # warm-up
         state, sec = run_train_steps(programs[shape], state, x, y, step_inputs, prefix_V, repeats)
         short, long = (int(w) for w in tg.windows(first, hp))
@@ -536,8 +542,9 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
            for op in sorted(total_us, key=total_us.get, reverse=True)[:k]]
     by_source, source_count = defaultdict(float), defaultdict(int)  # every op's time under its source line
     for op, us in total_us.items():
-        by_source[sources.get(op, "?")] += us
-        source_count[sources.get(op, "?")] += count[op]
+        source = sources.get(op, "?")
+        by_source[source] += us
+        source_count[source] += count[op]
     lines = [{"source": s, "count": source_count[s] / steps, "ms": by_source[s] / 1e3 / steps,
               "pct_of_step": 100 * by_source[s] / 1e3 / steps / step_ms}
              for s in sorted(by_source, key=by_source.get, reverse=True)[:TOP_SOURCES]]
@@ -729,9 +736,7 @@ def profile_mode(hp, args):
     t0 = time.perf_counter()
     program = programs[shape].compile()
     compile_s = time.perf_counter() - t0
-    inputs, targets = sample_chunks(np.random.default_rng(0), hp, tg.RANKS, shape[0])
-    x, y = (jax.device_put(a, NamedSharding(mesh, P("dp"))) for a in (inputs, targets))
-    step_inputs = tg.step_inputs(first | 1, hp)  # an odd step: NorMuon and Adam
+    _, x, y, step_inputs = stage_batch(np.random.default_rng(0), hp, mesh, first)
     state, _ = run_train_steps(program, state, x, y, step_inputs, prefix_V, 1)  # warm-up
     profile = profile_rows((program, state, x, y, step_inputs, prefix_V), args.profile)
     return {"stage": tg.stage_of(first, hp)[0], "chunk": shape[0], "mtp_terms": shape[1], "compile_s": compile_s,
