@@ -749,12 +749,17 @@ def mudd(x_TxD, w1_GxD, w2_CxG, b2_C, scale):
     return ((f32(linear(h, w2_CxG)) + f32(b2_C)) * scale).astype(BF16)
 
 
-def layer_weights(p: dict, layer: int):
-    """Layer i's (W_qkv, W_o) from the banks: Q and K as 3 head-pair matrices each, then V; O apart."""
-    a = ATTN_LAYERS.index(layer)
+def layer_weights(p: dict):
+    """Each layer's matrices from the banks: {layer: (W_qkv, W_o)} (Q and K as 3 head-pair matrices
+    each, then V; O apart) and {layer: (c_fc, c_proj)}. Each bank is unstacked once: the gradient of
+    an unstack is one stack, where slicing a bank layer by layer sums one zero-padded copy per layer
+    (on CPU 40% of a smoke step)."""
     n = 2 * (NUM_HEADS // 2)
-    qk = p["qk_bank"][n * a:n * (a + 1)].reshape(-1, p["qk_bank"].shape[-1])
-    return jnp.concatenate([qk, p["vo_bank"][2 * a]]), p["vo_bank"][2 * a + 1]
+    qk, vo = jnp.unstack(p["qk_bank"]), jnp.unstack(p["vo_bank"])
+    attn = {l: (jnp.concatenate([*qk[n * a:n * (a + 1)], vo[2 * a]]), vo[2 * a + 1])
+            for a, l in enumerate(ATTN_LAYERS)}
+    mlp = {i: jnp.unstack(w) for i, w in enumerate(jnp.unstack(p["mlp_bank"])[:NUM_LAYERS])}
+    return attn, mlp
 
 
 def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, attention_impl: str = "xla"):
@@ -797,6 +802,7 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
         return (f32(x_TxD) + f32(x0_bigram) * f32(coef_Tx1)).astype(BF16)
 
     x = inject(x0, bigram_gate[0])
+    attn_w, mlp_w = layer_weights(p)
     cache = {0: x}
     amaxes = []
     for i in range(NUM_LAYERS):
@@ -827,8 +833,7 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
                 gate_in = jnp.concatenate([attn_in[:, :VE_GATE_DIMS], ve_i[:, :VE_GATE_DIMS]], -1)
                 ve_gate = 2 * jax.nn.sigmoid(f32(linear(gate_in, p["ve_gate_bank"][VE_LAYERS.index(i)])))
                 aux_v = (ve_gate[..., None] * f32(ve_i.reshape(T, H, K))).astype(BF16)
-            w_qkv, w_o = layer_weights(p, i)
-            y = attention(attn_in, w_qkv, w_o, sa_lambdas[i], a, i, aux_v, xsa.get(i), gates.get(i),
+            y = attention(attn_in, *attn_w[i], sa_lambdas[i], a, i, aux_v, xsa.get(i), gates.get(i),
                           dc_w if i == DC_LAYER else None, ATTENTION[attention_impl])
             if mu is not None:
                 x = (m[8] * f32(x) + m[9] * f32(y) + m[10] * f32(cache[0])).astype(BF16)
@@ -838,7 +843,7 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
                 if i != 0:
                     x = inject(x, bigram_gate[i])
         normed = rms_norm(x)
-        w1, w2 = p["mlp_bank"][i, 0], p["mlp_bank"][i, 1]
+        w1, w2 = mlp_w[i]
         if mlp_scales is None:
             h = mlp_bf16(normed, w1, w2)
         else:
