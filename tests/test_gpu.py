@@ -176,6 +176,10 @@ def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path):
     assert not problems, ("\n".join(problems) + f"\nhead matmuls found:\n{listing}\n(HLO text: {hlo_file})")
     # the up projection (x · W1) and the down projection (post · W2) of each of the 11 layers
     assert len(mlp) >= 2 * 11, ("\n".join(f"  {g}" for g in mlp) + f"\n(HLO text: {hlo_file})")
+    # the head reads its bf16 logits in two passes and writes nothing else of their size but the gradient
+    import train_gpt as tg
+    extra = head_logit_passes(text, PADDED_VOCAB, math.gcd(TRAIN_T, tg.LOSS_CHUNK))
+    assert not extra, "\n".join(extra) + f"\n(HLO text: {hlo_file})"
     print(f"{len(sites)} head matmuls, all FP8 GEMMs:\n{listing}\n{len(mlp)} FP8 MLP GEMMs")
 
 
@@ -414,6 +418,28 @@ def fp8_mlp_gemms(hlo_text: str, hidden: int) -> list:
             and (element_type(g.lhs), element_type(g.rhs)) == ("f8e4m3fn", "f8e4m3fn")]
 
 
+def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
+    """Kernels that write an array of the head's logits beyond the two the fused head needs, as text:
+    a kernel (an instruction outside fused computations) whose result ends in [rows, vocab] (a loss
+    chunk's rows) that is neither a GEMM's bf16 logits nor the e5m2 gradient, e.g. the softcap's sigmoid
+    or fp32 z kept between the normaliser and gradient passes: a pass over every logit more."""
+    module = parse_hlo(hlo_text)
+    extra = []
+    for comp, instrs in module.computations.items():
+        if comp in module.callers:  # inside a fused kernel: writes nothing to memory
+            continue
+        for ins in instrs.values():
+            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while") \
+                    or ins.type.startswith("(") or dims(ins.type)[-2:] != [rows, vocab]:
+                continue
+            target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+            gemm = _fusion_kind(ins) in GEMM_FUSION_KINDS or bool(target and target[1].startswith("__cublas"))
+            if element_type(ins.type) == "f8e5m2" or (gemm and element_type(ins.type) == "bf16"):
+                continue
+            extra.append(f"{ins.name} in {comp}: {ins.op} writes {ins.type.split('{')[0]}")
+    return extra
+
+
 # Hand-written HLO in the printed formats, at small sizes: head dimension V = 96, T = 64, D = 32.
 V = 96
 CUBLAS_HLO = """HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(bf16[64,32]{1,0})->f32[]}
@@ -614,6 +640,64 @@ def test_plain_dot_on_f8_operands_fails():
     hlo = TRITON_HLO.replace('"kind":"__triton_gemm","triton_gemm_config":{"block_m":"64"}', '"kind":"__loop"')
     _, problems = fp8_gemm_problems(hlo, V)
     assert len(problems) == 1 and "dot.1" in problems[0] and "plain dot" in problems[0]
+
+
+# The head's logit-sized kernels, in the shape XLA (jax 0.11.2, H100) compiles a loss chunk of 64 rows:
+# the FP8 GEMM's bf16 logits, a loop fusion that computes the softcap's sigmoid into bf16 (the pass
+# the checker must find), the e5m2 gradient written into the stacked output in place; fp32 values
+# inside a fused computation stay in registers.
+HEAD_HLO = """HloModule jit_train_step, is_scheduled=true
+
+%gemm (p0: f8e4m3fn[64,32], p1: f8e4m3fn[32,96]) -> bf16[64,96] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = f8e4m3fn[32,96]{1,0} parameter(1)
+  %d = f32[64,96]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %c = bf16[64,96]{1,0} convert(%d)
+}
+
+%sigmoid (p2: bf16[64,96]) -> bf16[64,96] {
+  %p2 = bf16[64,96]{1,0} parameter(0)
+  %f = f32[64,96]{1,0} convert(%p2)
+  %l = f32[64,96]{1,0} logistic(%f)
+  ROOT %b = bf16[64,96]{1,0} convert(%l)
+}
+
+%grad (p3: f8e5m2[2,64,96], p4: bf16[64,96], p5: s32[]) -> f8e5m2[2,64,96] {
+  %p3 = f8e5m2[2,64,96]{2,1,0} parameter(0)
+  %p4 = bf16[64,96]{1,0} parameter(1)
+  %g = f8e5m2[1,64,96]{2,1,0} convert(%p4)
+  %p5 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %u = f8e5m2[2,64,96]{2,1,0} dynamic-update-slice(%p3, %g, %p5, %z, %z)
+}
+
+%body (s: (s32[], f8e5m2[2,64,96], f8e4m3fn[64,32], f8e4m3fn[32,96])) -> (s32[], f8e5m2[2,64,96], f8e4m3fn[64,32], f8e4m3fn[32,96]) {
+  %s = (s32[], f8e5m2[2,64,96]{2,1,0}, f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,96]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %acc = f8e5m2[2,64,96]{2,1,0} get-tuple-element(%s), index=1
+  %x8 = f8e4m3fn[64,32]{1,0} get-tuple-element(%s), index=2
+  %w8 = f8e4m3fn[32,96]{1,0} get-tuple-element(%s), index=3
+  %gemm_fusion = bf16[64,96]{1,0} fusion(%x8, %w8), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %barrier = (bf16[64,96]{1,0}, bf16[64,96]{1,0}) opt-barrier((bf16[64,96]{1,0}, bf16[64,96]{1,0}) %pair)
+  %u1 = bf16[64,96]{1,0} get-tuple-element(%barrier), index=1
+  %loop_convert_fusion = bf16[64,96]{1,0} fusion(%u1), kind=kLoop, calls=%sigmoid
+  %dus_fusion = f8e5m2[2,64,96]{2,1,0} fusion(%acc, %loop_convert_fusion, %i), kind=kLoop, calls=%grad
+  ROOT %t = (s32[], f8e5m2[2,64,96]{2,1,0}, f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,96]{1,0}) tuple(%i, %dus_fusion, %x8, %w8)
+}
+"""
+
+
+def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found():
+    assert head_logit_passes(HEAD_HLO, V, 64) == ["loop_convert_fusion in body: fusion writes bf16[64,96]"]
+    fused = re.sub(r"%sigmoid .*?\n}\n", "", HEAD_HLO, flags=re.S).replace(
+        "fusion(%acc, %loop_convert_fusion, %i)", "fusion(%acc, %u1, %i)").replace(
+        "  %loop_convert_fusion = bf16[64,96]{1,0} fusion(%u1), kind=kLoop, calls=%sigmoid\n", "")
+    assert head_logit_passes(fused, V, 64) == []  # the sigmoid computed inside the gradient's kernel
+    as_f32 = HEAD_HLO.replace("%loop_convert_fusion = bf16[64,96]{1,0}", "%loop_convert_fusion = f32[64,96]{1,0}")
+    assert head_logit_passes(as_f32, V, 64) == ["loop_convert_fusion in body: fusion writes f32[64,96]"]
+    f32_gemm = HEAD_HLO.replace("%gemm_fusion = bf16[64,96]{1,0}", "%gemm_fusion = f32[64,96]{1,0}")
+    assert "gemm_fusion in body: fusion writes f32[64,96]" in head_logit_passes(f32_gemm, V, 64)
+    assert head_logit_passes(HEAD_HLO, V, 32) == []  # another chunk's rows
 
 
 # tests/gpu/aot.py's static traffic estimate, on a hand-written module: a loop of 4 trips reads one

@@ -8,7 +8,8 @@ so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this
             preset, per attention implementation, compile for sm_90: compile seconds (on this
             machine's cores), XLA's memory (arguments + temporaries) against the H100's 80 GB, and
             for each train program the GPU lane's FP8 check (tests/test_gpu.py: every head matmul
-            and the 22 MLP projections are FP8 GEMMs), the kernels ptxas says spill registers, and
+            and the 22 MLP projections are FP8 GEMMs; the head writes no array of its logits' size
+            but the GEMM's and the gradient), the kernels ptxas says spill registers, and
             (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
             costliest source lines: it ranks costs, it is no timing;
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
@@ -22,6 +23,7 @@ It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in i
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -41,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
 from bench import parse_sweep, source_of  # noqa: E402
-from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, parse_hlo  # noqa: E402
+from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes, parse_hlo  # noqa: E402
 
 # An H100 SXM 80GB as XLA's GpuTargetConfig describes a device (the figures CUDA reports for it:
 # 132 SMs, 228 KiB shared memory per SM of which 227 KiB to one block, 50 MiB L2, 81,559 MiB).
@@ -123,7 +125,8 @@ def ptxas_notes(notes: list):
 
 
 def record_programs(hp, mesh, which: str):
-    """[(name, lowered program, is_train)] of the record preset, lowered by train_gpt's lower_steps (as
+    """[(name, lowered program, chunk: a train program's tokens per chunk, None for validation)] of the
+    record preset, lowered by train_gpt's lower_steps (as
     train() lowers them) on abstract arguments: each stage shape's train program and the validation
     program, or only the last stage's train program."""
     rep, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
@@ -135,10 +138,10 @@ def record_programs(hp, mesh, which: str):
     fp8 = {"next_w": abstract(fp8["next_w"], rep), "act": abstract(fp8["act"], by_chunk)}
     prefix_V = abstract(np.zeros(hp.padded_vocab, np.int32), rep)
     train, val = tg.lower_steps(hp, mesh, params, buffers, opt_state, fp8, prefix_V)
-    programs = [(f"train chunk {T} mtp {mtp}", lowered, True) for (T, mtp), lowered in train.items()]
+    programs = [(f"train chunk {T} mtp {mtp}", lowered, T) for (T, mtp), lowered in train.items()]
     if which == "last":
         return programs[-1:]
-    return programs + [(f"validation chunk {hp.val_batch_size // tg.RANKS}", val, False)]
+    return programs + [(f"validation chunk {hp.val_batch_size // tg.RANKS}", val, None)]
 
 
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
@@ -248,7 +251,7 @@ def traffic_lines(text: str, top: int) -> list:
 def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0) -> list:
     hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, compile_cache_dir="")
     rows = []
-    for name, lowered, is_train in record_programs(hp, mesh, which):
+    for name, lowered, chunk in record_programs(hp, mesh, which):
         t0, notes = time.perf_counter(), []
         with ptxas_notes(notes):
             compiled = lowered.compile()
@@ -260,11 +263,13 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0)
         lines = [f"{impl:6s} {name:26s} compile {seconds:5.1f}s  arguments {memory.argument_size_in_bytes / GIB:5.2f} "
                  f"GiB, temporaries {memory.temp_size_in_bytes / GIB:5.2f} GiB, in all {total / GIB:5.2f} of "
                  f"{H100_MEMORY / GIB:.1f} GiB"]
-        if is_train:
+        if chunk:
             sites, problems = fp8_gemm_problems(text, hp.padded_vocab)
             mlp = fp8_mlp_gemms(text, 4 * hp.model_dim)
+            extra = head_logit_passes(text, hp.padded_vocab, math.gcd(chunk, tg.LOSS_CHUNK))
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
-                         + f", {len(mlp)} MLP GEMMs" + ("" if len(mlp) >= 2 * tg.NUM_LAYERS else " (fewer than 22)"))
+                         + f", {len(mlp)} MLP GEMMs" + ("" if len(mlp) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
+                         + "; head logits: " + ("GEMM and gradient only" if not extra else "EXTRA PASSES: " + "; ".join(extra)))
             lines += traffic_lines(text, top) if top else []
         kernels = kernel_sources(text)
         lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
