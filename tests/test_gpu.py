@@ -26,8 +26,8 @@ GPU_LANE_ON_CPU=1 dry-runs the lane's logic on CPU at small shapes (cpu preset w
 training; T = 4,096 for attention). XLA:CPU has no FP8 GEMM, so there the HLO case asserts the
 opposite: the checker rejects every head matmul and finds no FP8 MLP GEMM. Not part of CI.
 
-The HLO checker (fp8_gemm_problems, fp8_mlp_gemms and their parser) is pure text processing; its unit
-tests below run everywhere, on hand-written HLO in the formats XLA prints.
+The HLO checker (fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes and their parser) is pure text
+processing; its unit tests below run everywhere, on hand-written HLO in the formats XLA prints.
 """
 import dataclasses
 import json
