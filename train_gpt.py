@@ -973,10 +973,16 @@ def eval_head_loss(x_TxD, w_DxV, targets_T):
     """Validation: the bf16 head, the softcap in fp32, plain cross-entropy per token."""
     T = x_TxD.shape[0]
 
+    def softcap(u):
+        return SOFTCAP_A * jax.nn.sigmoid((f32(u) + SOFTCAP_B) / SOFTCAP_C)
+
     def chunk(args):
         x, t = args
-        z = SOFTCAP_A * jax.nn.sigmoid((f32(linear(x, w_DxV.T)) + SOFTCAP_B) / SOFTCAP_C)
-        return jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, t[:, None], axis=1)[:, 0]
+        u = linear(x, w_DxV.T)
+        # z <= A: shifted by A, as in training (no pass for the row's max); the softcap computed inside
+        # the one pass over the bf16 logits and again at the targets, never kept as an fp32 (T, V) array
+        lse = np.float32(SOFTCAP_A) + jnp.log(jnp.sum(jnp.exp(softcap(u) - np.float32(SOFTCAP_A)), axis=-1))
+        return lse - softcap(jnp.take_along_axis(u, t[:, None], axis=1))[:, 0]
 
     parts = _chunks(T, x_TxD, targets_T)
     return jax.lax.map(chunk, tuple(parts)).reshape(T)
