@@ -190,6 +190,21 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits():
         assert abs(np.linalg.norm(got) / np.linalg.norm(want) - 1) < 0.05
 
 
+def test_eval_head_loss_matches_float64_on_the_same_bf16_logits():
+    """Validation's head: the softcap in fp32 on the bf16 logits, cross-entropy per token, the
+    log-sum-exp shifted by A; across chunks (T = 3 x 128), logits from far below to near the cap."""
+    rng = np.random.default_rng(5)
+    T, D, V = 384, 32, 700
+    x = jnp.asarray(rng.normal(size=(T, D)), BF16)
+    w = jnp.asarray(rng.normal(size=(D, V)) * np.geomspace(0.01, 3, V), BF16)  # |u| from ~0.1 to ~50
+    targets = rng.integers(0, V, T)
+    got = np.asarray(m.eval_head_loss(x, w, jnp.asarray(targets, jnp.int32)), np.float64)
+    u = np.asarray(jnp.matmul(x, w, preferred_element_type=F32).astype(BF16), np.float64)  # linear's bf16 output
+    z = 23 / (1 + np.exp(-(u + 5) / 7.5))
+    want = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) - z[np.arange(T), targets]
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
 def test_linear_and_mlp_backward_run_bf16_gemms_with_autodiffs_values():
     """linear's backward gives what autodiff gives (its GEMMs on fp32 copies of the bf16 values) from
     bf16 GEMMs with fp32 accumulation, as torch's backward; the MLP's backward GEMMs are bf16 too."""
