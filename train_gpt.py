@@ -437,6 +437,22 @@ def _linear_bwd(res, g):
 linear.defvjp(lambda x, w_OxI: (linear(x, w_OxI), (x, w_OxI)), _linear_bwd)
 
 
+@jax.custom_vjp
+def embedding(table_VxD, ids_T):
+    """table[ids] as torch's nn.Embedding: its backward sums each row's cotangents in fp32 and rounds
+    once to the table's dtype (torch's decomposition and CUDA kernel alike). Autodiff's bf16
+    scatter-add would stall on a frequent token: 4,096 cotangents near 1 sum to about 1,000 in bf16."""
+    return table_VxD[ids_T]
+
+
+def _embedding_bwd(res, g):
+    table, ids_T = res
+    return jnp.zeros(table.shape, F32).at[ids_T].add(g.astype(F32)).astype(table.dtype), None
+
+
+embedding.defvjp(lambda table, ids: (embedding(table, ids), (table, ids)), _embedding_bwd)
+
+
 def f32(x):
     return x.astype(F32)
 
@@ -781,10 +797,13 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
     gate_scale = f32(p["_mudd_gate_scale"].astype(BF16))  # the reference casts it to the activations' dtype
     V = p["embed.weight"].shape[0]
 
-    x = p["embed.weight"][inputs_T]
+    x = embedding(p["embed.weight"], inputs_T)
     signs = p["bigram_sign_table"][jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.mod(
         jnp.bitwise_xor(inputs_T[:-1], inputs_T[1:]), p["bigram_sign_table"].shape[0])])]
-    x0_bigram = p["bigram_embed.weight"][bigram_hash(inputs_T, p["bigram_embed.weight"].shape[0])] * signs
+    x0_bigram = embedding(p["bigram_embed.weight"], bigram_hash(inputs_T, p["bigram_embed.weight"].shape[0])) * signs
+    # the value embeddings by indexing, as the reference: there torch.compile's backward of an index adds
+    # the rows' cotangents with bf16 atomics on an H100 (not with nn.Embedding's fp32 sums), as
+    # autodiff's bf16 scatter-add does here
     ve = p["value_embeds"].reshape(len(VE_LAYERS), V, D)[:, inputs_T]
 
     # smear: each token takes a gated share of the previous token's embedding
@@ -920,8 +939,8 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
     def chunk(args):
         x8, cols, ws, total = args
         # Two passes read the (T, V) bf16 logits u, normaliser then gradient, each computing the sigmoid
-        # anew: the barrier's two copies of u keep XLA from computing it once into an fp32 (T, V) array
-        # that both passes read (measured on an H100 compile: 15 -> 9 bytes moved per logit)
+        # anew: u passed twice through one barrier keeps XLA's GPU compiler from computing it once into
+        # an fp32 (T, V) array that both passes read (tests/gpu/aot.py's estimate: 15 -> 9 bytes per logit)
         u = _fp8_logits(x8, w_f8)
         u_norm, u_grad = jax.lax.optimization_barrier((u, u))
         # z <= A: shifted by A, exp cannot overflow and no pass finds the row's max (the reference

@@ -362,9 +362,10 @@ def test_fp8_buffers_are_written_as_the_references_quantize_leaves_them():
         assert np.array_equal(out["_mlp_down_act_scales"], np.asarray(act))
 
 
-def test_bank_gradients_are_stacked_once_not_summed_from_zero_padded_slices():
-    """Each bank's gradient is one stack of its matrices' gradients. Slicing a bank layer by layer gave
-    the same values as a sum of one zero-padded copy per layer (40% of a CPU smoke step, measured)."""
+def test_gradients_stack_the_banks_and_scatter_embedding_rows_as_the_reference():
+    """Each bank's gradient is one stack of its matrices' gradients (slicing a bank layer by layer gave
+    the same values as a sum of one zero-padded copy per layer: 40% of a CPU smoke step, measured);
+    the embed and bigram tables' gradients are scatter-adds in fp32, the value embeddings' in bf16."""
     hp = SMALL
     p = m.init_params(hp, seed=1)
     toks = np.random.default_rng(3).integers(0, 50256, 129)
@@ -375,3 +376,26 @@ def test_bank_gradients_are_stacked_once_not_summed_from_zero_padded_slices():
     padded = re.findall(r"stablehlo\.pad .*-> tensor<([\dx]+)x\w+>", text)
     banks = {"x".join(map(str, p[k].shape)) for k in ("qk_bank", "vo_bank", "mlp_bank")}
     assert not banks & set(padded), sorted(set(padded))
+    scatters = re.findall(r'"stablehlo\.scatter".*?\}\) : \(tensor<([\dx]+)x(\w+)>', text, re.S)
+    shape = lambda *s: "x".join(map(str, s))  # noqa: E731
+    tables = {shape(*p["embed.weight"].shape): "f32", shape(*p["bigram_embed.weight"].shape): "f32",
+              shape(len(m.VE_LAYERS), *p["embed.weight"].shape): "bf16"}  # value embeddings: the reference's bf16 atomics
+    assert {(s, t) for s, t in scatters if s in tables} == set(tables.items()), scatters
+
+
+def test_embedding_gradient_sums_repeated_rows_in_fp32_and_rounds_once():
+    """torch's nn.Embedding backward sums a row's cotangents in fp32 and rounds once; a bf16
+    scatter-add loses most of a frequent token's sum (4,096 terms near 1 give about 1,000)."""
+    rng = np.random.default_rng(6)
+    V, D, T = 50, 8, 6000
+    table = jnp.asarray(rng.normal(size=(V, D)), BF16)
+    ids = np.where(rng.random(T) < 0.7, 3, rng.integers(0, V, T))  # token 3 about 4,200 times
+    g = bf16(rng.normal(1.0, 1.0, size=(T, D)))
+    assert np.array_equal(np.asarray(m.embedding(table, jnp.asarray(ids)), np.float64), bf16(table)[ids])
+    got = jax.grad(lambda t: jnp.sum(m.embedding(t, jnp.asarray(ids)).astype(F32) * jnp.asarray(g, F32)))(table)
+    assert got.dtype == BF16
+    want = np.zeros((V, D))
+    np.add.at(want, ids, g)  # float64 sums of every row's cotangents
+    got = np.asarray(got, np.float64)
+    assert np.all(np.abs(got - want) <= 2**-8 * np.abs(want))  # one bf16 rounding of the fp32 sums
+    assert np.abs(want[3]).min() > 3000  # the frequent row is there, and large
