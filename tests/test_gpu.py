@@ -418,25 +418,35 @@ def fp8_mlp_gemms(hlo_text: str, hidden: int) -> list:
             and (element_type(g.lhs), element_type(g.rhs)) == ("f8e4m3fn", "f8e4m3fn")]
 
 
+def _array_types(type_: str) -> list:
+    """The array types of a result: itself, or a tuple's elements, nested tuples flattened."""
+    if not type_.startswith("("):
+        return [type_]
+    return [t for part in _split_top_level(type_[1:_balanced(type_, 0) - 1]) for t in _array_types(part)]
+
+
 def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
     """Kernels that write an array of the head's logits beyond the two the fused head needs, as text:
-    a kernel (an instruction outside fused computations) whose result ends in [rows, vocab] (a loss
-    chunk's rows) that is neither a GEMM's bf16 logits nor the e5m2 gradient, e.g. the softcap's sigmoid
-    or fp32 z kept between the normaliser and gradient passes: a pass over every logit more."""
+    a kernel (an instruction outside fused computations; each output of a multi-output one) writing
+    a (rows, vocab) array, either way round (a loss chunk's rows), that is neither a GEMM's bf16 logits
+    nor the e5m2 gradient, e.g. the softcap's sigmoid or fp32 z kept between the normaliser and
+    gradient passes: a pass over every logit more."""
     module = parse_hlo(hlo_text)
     extra = []
     for comp, instrs in module.computations.items():
         if comp in module.callers:  # inside a fused kernel: writes nothing to memory
             continue
         for ins in instrs.values():
-            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while") \
-                    or ins.type.startswith("(") or dims(ins.type)[-2:] != [rows, vocab]:
+            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while",
+                          "conditional", "call") or ins.op.endswith("-start"):  # an async op's -done writes
                 continue
             target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
             gemm = _fusion_kind(ins) in GEMM_FUSION_KINDS or bool(target and target[1].startswith("__cublas"))
-            if element_type(ins.type) == "f8e5m2" or (gemm and element_type(ins.type) == "bf16"):
-                continue
-            extra.append(f"{ins.name} in {comp}: {ins.op} writes {ins.type.split('{')[0]}")
+            for t in _array_types(ins.type):
+                if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) == "f8e5m2" \
+                        or (gemm and element_type(t) == "bf16"):
+                    continue
+                extra.append(f"{ins.name} in {comp}: {ins.op} writes {t.split('{')[0]}")
     return extra
 
 
@@ -678,6 +688,7 @@ HEAD_HLO = """HloModule jit_train_step, is_scheduled=true
   %x8 = f8e4m3fn[64,32]{1,0} get-tuple-element(%s), index=2
   %w8 = f8e4m3fn[32,96]{1,0} get-tuple-element(%s), index=3
   %gemm_fusion = bf16[64,96]{1,0} fusion(%x8, %w8), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %pair = (bf16[64,96]{1,0}, bf16[64,96]{1,0}) tuple(%gemm_fusion, %gemm_fusion)
   %barrier = (bf16[64,96]{1,0}, bf16[64,96]{1,0}) opt-barrier((bf16[64,96]{1,0}, bf16[64,96]{1,0}) %pair)
   %u1 = bf16[64,96]{1,0} get-tuple-element(%barrier), index=1
   %loop_convert_fusion = bf16[64,96]{1,0} fusion(%u1), kind=kLoop, calls=%sigmoid
@@ -698,6 +709,15 @@ def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found(
     f32_gemm = HEAD_HLO.replace("%gemm_fusion = bf16[64,96]{1,0}", "%gemm_fusion = f32[64,96]{1,0}")
     assert "gemm_fusion in body: fusion writes f32[64,96]" in head_logit_passes(f32_gemm, V, 64)
     assert head_logit_passes(HEAD_HLO, V, 32) == []  # another chunk's rows
+    multi = HEAD_HLO.replace("%loop_convert_fusion = bf16[64,96]{1,0}", "%loop_convert_fusion = (f32[64]{0}, f32[64,96]{1,0})")
+    assert head_logit_passes(multi, V, 64) == ["loop_convert_fusion in body: fusion writes f32[64,96]"]  # multi-output
+    transposed = HEAD_HLO.replace("%loop_convert_fusion = bf16[64,96]{1,0}", "%loop_convert_fusion = bf16[96,64]{0,1}")
+    assert head_logit_passes(transposed, V, 64) == ["loop_convert_fusion in body: fusion writes bf16[96,64]"]
+    cublas = HEAD_HLO.replace(
+        '%gemm_fusion = bf16[64,96]{1,0} fusion(%x8, %w8), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}',
+        '%gemm_fusion = (f32[64,96]{1,0}, s8[1024]{0}) custom-call(%x8, %w8), custom_call_target="__cublas$lt$matmul$f8"')
+    assert "gemm_fusion in body: custom-call writes f32[64,96]" in head_logit_passes(cublas, V, 64)  # fp32 logits
+    assert "gemm_fusion" not in " ".join(head_logit_passes(cublas.replace("(f32[64,96]", "(bf16[64,96]"), V, 64))
 
 
 # tests/gpu/aot.py's static traffic estimate, on a hand-written module: a loop of 4 trips reads one

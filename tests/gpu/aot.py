@@ -9,7 +9,8 @@ so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this
             machine's cores), XLA's memory (arguments + temporaries) against the H100's 80 GB, and
             for each train program the GPU lane's FP8 check (tests/test_gpu.py: every head matmul
             and the 22 MLP projections are FP8 GEMMs; the head writes no array of its logits' size
-            but the GEMM's and the gradient), the kernels ptxas says spill registers, and
+            but the GEMM's and the gradient; validation's, none but the GEMM's), the kernels ptxas
+            says spill registers, and
             (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
             costliest source lines: it ranks costs, it is no timing;
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
@@ -271,6 +272,9 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0)
                          + f", {len(mlp)} MLP GEMMs" + ("" if len(mlp) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
                          + "; head logits: " + ("GEMM and gradient only" if not extra else "EXTRA PASSES: " + "; ".join(extra)))
             lines += traffic_lines(text, top) if top else []
+        else:  # validation: the bf16 head GEMM's logits, read once
+            extra = head_logit_passes(text, hp.padded_vocab, math.gcd(hp.val_batch_size // tg.RANKS, tg.LOSS_CHUNK))
+            lines[0] += "  head logits: " + ("GEMM only" if not extra else "EXTRA PASSES: " + "; ".join(extra))
         kernels = kernel_sources(text)
         lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
         if hlo_dir:
