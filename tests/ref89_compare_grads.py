@@ -7,7 +7,8 @@ For each step: ref89 `grads` on W (G), ref89 `jitter` of W then `grads` on it (G
 own noise under half-a-bf16-step changes), and the port's gradients (P). Per parameter (banks per
 matrix, padding skipped; lm_head and embed apart) it prints 1 - cosine and the norm ratio of P vs G
 and of GJ vs G, whether P's exact zeros are G's, and a verdict: P's distance at most twice the
-noise's. --eager-rounding: the port with ref89's eager rounding of the residual stream (see EAGER).
+noise's. --eager-rounding: the port with ref89's eager rounding of the residual stream and of its
+embedding rows' gradient sums (see EAGER).
 ref89 runs under `flock /tmp/ref89.lock` (each side needs 10-15 GB); outputs are deleted.
 """
 import argparse
@@ -47,6 +48,8 @@ EAGER = [
      "         + m[4] * f32(cache[3])).astype(BF16)",
      "x = _b(_b(_b(_b(_b(f32(x) + _b(m[0] * f32(cache[0]))) + _b(m[1] * f32(cache[7]))) + _b(m[2] * f32(cache[9])))\n"
      "           + _b(m[3] * f32(ve[0]))) + _b(m[4] * f32(cache[3])))"),
+    # eager torch on CPU sums nn.Embedding rows' cotangents in bf16 (compiled, and on GPUs: fp32)
+    ("= embedding(p[", "= _index(p["),
 ]
 
 
@@ -61,7 +64,8 @@ def load_port(eager: bool, workdir: str):
     for compiled, eager_form in EAGER:
         assert compiled in src, f"--eager-rounding: the port no longer has {compiled!r}; update EAGER"
         src = src.replace(compiled, eager_form)
-    src = src.replace("def gpt_hidden(", "def _b(v):\n    return v.astype(BF16)\n\n\ndef gpt_hidden(", 1)
+    src = src.replace("def gpt_hidden(", "def _b(v):\n    return v.astype(BF16)\n\n\ndef _index(table, ids):\n"
+                      "    return table[ids]\n\n\ndef gpt_hidden(", 1)
     folder = tempfile.mkdtemp(dir=workdir)
     os.makedirs(os.path.join(folder, "data"))
     shutil.copy(os.path.join(ROOT, "data", "gpt2.tiktoken"), os.path.join(folder, "data"))
