@@ -929,6 +929,12 @@ def _softcap_sig(u):
     return jax.lax.reduce_precision(jax.nn.sigmoid(f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c), 8, 7)
 
 
+def _capped_lse(z):
+    """log-sum-exp over the last axis of softcapped logits z <= A: shifted by A, exp cannot overflow and
+    no pass finds the row's max (the reference shifts by the max: the same value up to fp32 rounding)."""
+    return np.float32(SOFTCAP_A) + jnp.log(jnp.sum(jnp.exp(z - np.float32(SOFTCAP_A)), axis=-1))
+
+
 def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
     T, V = x_TxD.shape[0], w_DxV.shape[1]
     x_f8 = (f32(x_TxD) / np.float32(LM_HEAD_X_S)).astype(E4M3)
@@ -943,10 +949,7 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
         # an fp32 (T, V) array that both passes read (tests/gpu/aot.py's estimate: 15 -> 9 bytes per logit)
         u = _fp8_logits(x8, w_f8)
         u_norm, u_grad = jax.lax.optimization_barrier((u, u))
-        # z <= A: shifted by A, exp cannot overflow and no pass finds the row's max (the reference
-        # shifts by the max: the same lse up to fp32 rounding)
-        z_norm = np.float32(SOFTCAP_A) * _softcap_sig(u_norm)
-        lse = np.float32(SOFTCAP_A) + jnp.log(jnp.sum(jnp.exp(z_norm - np.float32(SOFTCAP_A)), axis=-1))
+        lse = _capped_lse(np.float32(SOFTCAP_A) * _softcap_sig(u_norm))
         zt = np.float32(SOFTCAP_A) * _softcap_sig(jnp.take_along_axis(u_grad, cols, axis=1))
         losses = jnp.sum(ws * (lse[:, None] - zt), axis=1)
         # the target columns' weights, summed where columns coincide: elementwise, not a scatter, so
@@ -998,10 +1001,9 @@ def eval_head_loss(x_TxD, w_DxV, targets_T):
     def chunk(args):
         x, t = args
         u = linear(x, w_DxV.T)
-        # z <= A: shifted by A, as in training (no pass for the row's max); the softcap computed inside
-        # the one pass over the bf16 logits and again at the targets, never kept as an fp32 (T, V) array
-        lse = np.float32(SOFTCAP_A) + jnp.log(jnp.sum(jnp.exp(softcap(u) - np.float32(SOFTCAP_A)), axis=-1))
-        return lse - softcap(jnp.take_along_axis(u, t[:, None], axis=1))[:, 0]
+        # the softcap computed inside the one pass over the bf16 logits and again at the targets, never
+        # kept as an fp32 (T, V) array
+        return _capped_lse(softcap(u)) - softcap(jnp.take_along_axis(u, t[:, None], axis=1))[:, 0]
 
     parts = _chunks(T, x_TxD, targets_T)
     return jax.lax.map(chunk, tuple(parts)).reshape(T)
