@@ -126,8 +126,8 @@ def ptxas_notes(notes: list):
 
 
 def record_programs(hp, mesh, which: str):
-    """[(name, lowered program, chunk: a train program's tokens per chunk, None for validation)] of the
-    record preset, lowered by train_gpt's lower_steps (as
+    """[(name, lowered program, tokens per chunk, is_train)] of the record preset, lowered by
+    train_gpt's lower_steps (as
     train() lowers them) on abstract arguments: each stage shape's train program and the validation
     program, or only the last stage's train program."""
     rep, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
@@ -139,10 +139,11 @@ def record_programs(hp, mesh, which: str):
     fp8 = {"next_w": abstract(fp8["next_w"], rep), "act": abstract(fp8["act"], by_chunk)}
     prefix_V = abstract(np.zeros(hp.padded_vocab, np.int32), rep)
     train, val = tg.lower_steps(hp, mesh, params, buffers, opt_state, fp8, prefix_V)
-    programs = [(f"train chunk {T} mtp {mtp}", lowered, T) for (T, mtp), lowered in train.items()]
+    programs = [(f"train chunk {T} mtp {mtp}", lowered, T, True) for (T, mtp), lowered in train.items()]
     if which == "last":
         return programs[-1:]
-    return programs + [(f"validation chunk {hp.val_batch_size // tg.RANKS}", val, None)]
+    val_chunk = hp.val_batch_size // tg.RANKS
+    return programs + [(f"validation chunk {val_chunk}", val, val_chunk, False)]
 
 
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
@@ -252,7 +253,7 @@ def traffic_lines(text: str, top: int) -> list:
 def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0) -> list:
     hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, compile_cache_dir="")
     rows = []
-    for name, lowered, chunk in record_programs(hp, mesh, which):
+    for name, lowered, chunk, is_train in record_programs(hp, mesh, which):
         t0, notes = time.perf_counter(), []
         with ptxas_notes(notes):
             compiled = lowered.compile()
@@ -264,17 +265,18 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0)
         lines = [f"{impl:6s} {name:26s} compile {seconds:5.1f}s  arguments {memory.argument_size_in_bytes / GIB:5.2f} "
                  f"GiB, temporaries {memory.temp_size_in_bytes / GIB:5.2f} GiB, in all {total / GIB:5.2f} of "
                  f"{H100_MEMORY / GIB:.1f} GiB"]
-        if chunk:
+        extra = head_logit_passes(text, hp.padded_vocab, math.gcd(chunk, tg.LOSS_CHUNK))
+        head = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else
+                                  "GEMM and gradient only" if is_train else "GEMM only")  # validation has no gradient
+        if is_train:
             sites, problems = fp8_gemm_problems(text, hp.padded_vocab)
             mlp = fp8_mlp_gemms(text, 4 * hp.model_dim)
-            extra = head_logit_passes(text, hp.padded_vocab, math.gcd(chunk, tg.LOSS_CHUNK))
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
                          + f", {len(mlp)} MLP GEMMs" + ("" if len(mlp) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
-                         + "; head logits: " + ("GEMM and gradient only" if not extra else "EXTRA PASSES: " + "; ".join(extra)))
+                         + f"; {head}")
             lines += traffic_lines(text, top) if top else []
-        else:  # validation: the bf16 head GEMM's logits, read once
-            extra = head_logit_passes(text, hp.padded_vocab, math.gcd(hp.val_batch_size // tg.RANKS, tg.LOSS_CHUNK))
-            lines[0] += "  head logits: " + ("GEMM only" if not extra else "EXTRA PASSES: " + "; ".join(extra))
+        else:
+            lines[0] += f"  {head}"
         kernels = kernel_sources(text)
         lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
         if hlo_dir:
