@@ -8,7 +8,8 @@ own noise under half-a-bf16-step changes), and the port's gradients (P). Per par
 matrix, padding skipped; lm_head and embed apart) it prints 1 - cosine and the norm ratio of P vs G
 and of GJ vs G, whether P's exact zeros are G's, and a verdict: P's distance at most twice the
 noise's. --eager-rounding: the port with ref89's eager rounding of the residual stream and of its
-embedding rows' gradient sums (see EAGER).
+embedding rows' gradient sums (see EAGER). Every comparison script runs ref89 with the record's key
+offset as the compiled record computes it (ref89_as_compiled).
 ref89 runs under `flock /tmp/ref89.lock` (each side needs 10-15 GB); outputs are deleted.
 """
 import argparse
@@ -97,6 +98,38 @@ def distance(a, b):
     return 1 - a @ b / (na * nb), na / nb
 
 
+# The record's key offset, `k[:, 1:, :, 64:] = k[:, :-1, :, 64:]`, copies a tensor into an overlapping
+# view of itself. Compiled, as the record runs it, that is a shift (torch.compile reads the source before
+# it writes; checked with torch 2.13's inductor). ref89 runs it eagerly on a CPU, where the copy runs in
+# place, split over threads: it smears earlier positions' keys forward, differently from run to run,
+# while autograd's backward treats it as a shift. So the comparisons run a copy of ref89.py whose
+# reference source gets `.clone()` on that copy's source: the compiled record's shift, deterministic.
+KEY_OFFSET = "k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:]"
+REF89_PATCHES = '    body = body.replace("pin_memory=True", "pin_memory=False")\n'  # where ref89 patches the source
+
+
+def ref89_as_compiled(path: str, workdir: str) -> str:
+    """The path of a copy of ref89.py, WORKDIR/ref89_as_compiled/ref89.py (kept, with the files beside
+    the original), that also patches the key offset's overlapping copy into the compiled record's shift
+    (see KEY_OFFSET). Print it for ref89 commands of your own (making W1):
+        python -c "import sys; sys.path.insert(0, 'tests'); import ref89_compare_grads as c; print(c.ref89_as_compiled('PATH/ref89.py', '/tmp'))"
+    """
+    src = open(path).read()
+    assert REF89_PATCHES in src, f"{path} no longer patches the source at {REF89_PATCHES!r}; update ref89_as_compiled"
+    patch = f"    body = _replace(body, {KEY_OFFSET!r}, {KEY_OFFSET + '.clone()'!r})\n"
+    folder = os.path.join(workdir, "ref89_as_compiled")
+    os.makedirs(folder, exist_ok=True)
+    here = os.path.dirname(os.path.abspath(path))
+    for name in os.listdir(here):  # gpt2.tiktoken, selfcheck.py
+        if name != os.path.basename(path) and os.path.isfile(os.path.join(here, name)):
+            shutil.copyfile(os.path.join(here, name), os.path.join(folder, name))  # not its read-only mode
+    copy = os.path.join(folder, os.path.basename(path))
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as f:  # another script may be reading it
+        f.write(src.replace(REF89_PATCHES, REF89_PATCHES + patch))
+    os.replace(f.name, copy)
+    return copy
+
+
 LOCK = "/tmp/ref89.lock"  # one 10-15 GB side at a time, ref89's or ours, whoever else shares the machine
 
 
@@ -130,6 +163,7 @@ def main():
     ap.add_argument("--verbose", action="store_true", help="print every piece, not only the summary per parameter")
     ap.add_argument("--eager-rounding", action="store_true", help="the port with ref89's eager residual rounding")
     a = ap.parse_args()
+    a.ref89 = ref89_as_compiled(a.ref89, a.workdir)
     model = load_port(a.eager_rounding, a.workdir)
     hp = port.PRESETS["record"]
     ref = [a.torch_python, a.ref89]

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as port  # noqa: E402
-from ref89_compare_grads import locked, parser  # noqa: E402
+from ref89_compare_grads import locked, parser, ref89_as_compiled  # noqa: E402
 
 
 def case_args(case, hp):
@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--eval-tokens", help="tokens for eval/final (default: --tokens)")
     ap.add_argument("--cases", default="s0,s1,s2,s3,eval,final")
     a = ap.parse_args()
+    a.ref89 = ref89_as_compiled(a.ref89, a.workdir)
     hp = port.PRESETS["record"]
     weights = port.load_weights(a.weights, hp)
     print(f"{'case':>8} {'step':>5} {'ref mean':>10} {'port mean':>10} {'rel diff':>9} {'tok mean|d|':>11} {'tok max|d|':>10}")

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt as port  # noqa: E402
 
-from ref89_compare_grads import distance, load_port, locked, parser, pieces, run  # noqa: E402
+from ref89_compare_grads import distance, load_port, locked, parser, pieces, ref89_as_compiled, run  # noqa: E402
 
 
 def main():
@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--jitter-rel", type=float, default=2e-3)
     ap.add_argument("--eager-rounding", action="store_true", help="the port with ref89's eager residual rounding")
     a = ap.parse_args()
+    a.ref89 = ref89_as_compiled(a.ref89, a.workdir)
     hp = port.PRESETS["record"]
     model = load_port(a.eager_rounding, a.workdir)
     ref = [a.torch_python, a.ref89]

@@ -46,6 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
+from ref89_compare_grads import ref89_as_compiled  # noqa: E402  (this folder is sys.path[0])
 
 LOCK = "/tmp/ref89.lock"
 FP8_BUFFERS = ("_mlp_down_act_scales", "_mlp_down_proj_scales", "_mlp_down_proj_next_scales")
@@ -220,6 +221,7 @@ def main():
     ap.add_argument("--jitter-rel", type=float, default=2e-3)
     ap.add_argument("--jitter-seed", type=int, default=0)
     a = ap.parse_args()
+    a.ref89 = ref89_as_compiled(a.ref89, a.workdir)
     results = {}
     for step in [int(s) for s in a.steps.split(",")]:
         G_path, S_path = (os.path.join(a.workdir, f"{k}{step}.npz") for k in "GS")
