@@ -102,8 +102,8 @@ def distance(a, b):
 # view of itself. Compiled, as the record runs it, that is a shift (torch.compile reads the source before
 # it writes; checked with torch 2.13's inductor). ref89 runs it eagerly on a CPU, where the copy runs in
 # place, split over threads: it smears earlier positions' keys forward, differently from run to run,
-# while autograd's backward treats it as a shift. So the comparisons run a copy of ref89.py whose
-# reference source gets `.clone()` on that copy's source: the compiled record's shift, deterministic.
+# while autograd's backward treats it as a shift. So the comparisons run a copy of ref89.py with one more
+# source patch, `.clone()` on the right-hand side: the compiled record's shift, deterministic.
 KEY_OFFSET = "k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:]"
 REF89_PATCHES = '    body = body.replace("pin_memory=True", "pin_memory=False")\n'  # where ref89 patches the source
 
