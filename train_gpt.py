@@ -1077,7 +1077,11 @@ def loss_fn(params: dict, tokens, hp: Hyperparameters, step: int, training: bool
     a = schedule_values(step, hp, final_val)
     if not training:
         return _jit_sequence_loss(params, inputs, targets, a, False)[1][:T]
-    return _jit_sequence_loss(params, inputs, targets, a, True, *training_inputs(params, targets, step, hp))[1][:T]
+    # train_grads' program, its gradients unused: one compile of the model serves both (on a CPU,
+    # 28 s to compile, 0.8 s to run forward and backward on 256 tokens)
+    train = trainable(params, hp)
+    return _jit_grads(train, {k: v for k, v in params.items() if k not in train}, inputs, targets, a,
+                      *training_inputs(params, targets, step, hp))[2][:T]
 
 
 def training_inputs(params: dict, targets_T, step: int, hp: Hyperparameters) -> tuple:
@@ -1151,16 +1155,18 @@ def train_grads(params: dict, tokens, hp: Hyperparameters, step: int) -> tuple:
     inputs, targets, _ = padded_sequence(tokens, hp.bos_id)
     train = trainable(params, hp)
     return _jit_grads(train, {k: v for k, v in params.items() if k not in train},
-                      inputs, targets, schedule_values(step, hp), *training_inputs(params, targets, step, hp))
+                      inputs, targets, schedule_values(step, hp), *training_inputs(params, targets, step, hp))[:2]
 
 
 @jax.jit
 def _jit_grads(trainable, buffers, inputs, targets, a, scales, prefix):
+    """(gradients, loss, per-token losses) of one padded sequence in training mode."""
     def loss(trainable):
-        return sequence_loss({**buffers, **trainable}, inputs, targets, a, True, scales, prefix)[0]
+        total, losses, _ = sequence_loss({**buffers, **trainable}, inputs, targets, a, True, scales, prefix)
+        return total, losses
 
-    value, grads = jax.value_and_grad(loss)(trainable)
-    return grads, value
+    (value, losses), grads = jax.value_and_grad(loss, has_aux=True)(trainable)
+    return grads, value, losses
 
 
 # --- attention as fused Pallas kernels (Triton on GPUs) ---------------------------------

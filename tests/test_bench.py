@@ -1,7 +1,9 @@
 """bench.py: the analytic FLOP counts against independent references, the profile reader on hand-made
-traces, bad input, and the whole suite on CPU at the smoke shape (a subprocess)."""
+traces, bad input, and the whole suite on CPU at the smoke shape (a subprocess); the profile alone
+on the tiny run's program."""
 import gzip
 import json
+import logging
 import os
 import re
 import subprocess
@@ -220,10 +222,15 @@ ROW_FIELDS = {"ms", "tokens_per_s", "gflop", "tflops", "mfu", "mfu_nominal", "xl
               "note"}
 
 
-@pytest.mark.heavy
-def test_the_profile_alone_compiles_the_last_stages_program_and_ranks_its_ops_and_lines(tmp_path, capsys):
+def test_the_profile_alone_loads_the_last_stages_program_and_ranks_its_ops_and_lines(tiny_attempt, tmp_path, capsys,
+                                                                                   caplog):
+    """At --preset smoke the program is the tests' tiny run's: the shared attempt compiled it into the
+    test run's compile cache (conftest), so this test loads it instead of compiling it (a minute of CPU)."""
+    caplog.set_level(logging.DEBUG, logger="jax._src.compiler")
     out = tmp_path / "profile.txt"
     assert bench.main(["--preset", "smoke", "--profile", str(tmp_path / "trace"), "--out", str(out)]) == 0
+    cache = [r.getMessage().split(" with key")[0] for r in caplog.records if "'jit_train_step'" in r.getMessage()]
+    assert cache == ["Persistent compilation cache hit for 'jit_train_step'"]  # smoke = conftest's TINY_FLAGS
     printed = capsys.readouterr().out
     assert out.read_text() == printed
     table, line = printed.rstrip("\n").rsplit("\n", 1)

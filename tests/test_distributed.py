@@ -42,17 +42,19 @@ def finish(proc, timeout=600):
 
 
 @pytest.mark.heavy
-def test_one_device_and_two_processes_of_four_devices_train_the_same(tiny_attempt, tiny_args, tmp_path):
+def test_one_device_and_two_processes_of_four_devices_train_the_same(request, tiny_args, tmp_path):
     """The tiny run (conftest's attempt, seed 0: one device scanning the step's 8 chunks) against the
     same flags on 2 processes of 4 devices (8 devices, a chunk each, gradients summed across devices
     and processes): the same val curve at every validation. Only the order of float sums differs,
     which bf16 activations amplify a little. The pair compiles cold, both processes alike: with the
     shared cache process 0 would load its programs at once (on CPUs the other process's cache keys
     differ) and wait for process 1 at the first collective longer than gloo's 30-second rendezvous
-    allows."""
+    allows. The attempt is asked for only once the pair has finished: if the other worker is still
+    making it, this one trains meanwhile instead of waiting for it."""
     port = free_port()
     procs = [launch(tiny_args, tmp_path / "two", 4, i, 2, port, **{"--compile-cache-dir": ""}) for i in range(2)]
     outs = [finish(p) for p in procs]
+    tiny_attempt = request.getfixturevalue("tiny_attempt")
     (two_log,) = (tmp_path / "two").iterdir()  # only process 0 writes a log
     assert "val_loss" in outs[0] and "step:" not in outs[1]  # and only process 0 prints (gloo chats anyway)
     one, two = (parse_log(p) for p in (tiny_attempt.logs[0], str(two_log)))
