@@ -1079,9 +1079,15 @@ def loss_fn(params: dict, tokens, hp: Hyperparameters, step: int, training: bool
         return _jit_sequence_loss(params, inputs, targets, a, False)[1][:T]
     # train_grads' program, its gradients unused: one compile of the model serves both (on a CPU,
     # 28 s to compile, 0.8 s to run forward and backward on 256 tokens)
+    return training_pass(params, inputs, targets, a, step, hp)[2][:T]
+
+
+def training_pass(params: dict, inputs_T, targets_T, a: dict, step: int, hp: Hyperparameters) -> tuple:
+    """(gradients, loss, per-token losses) of one padded sequence in training mode at step `step`
+    (schedule values `a`): the check API's one training program."""
     train = trainable(params, hp)
-    return _jit_grads(train, {k: v for k, v in params.items() if k not in train}, inputs, targets, a,
-                      *training_inputs(params, targets, step, hp))[2][:T]
+    return _jit_grads(train, {k: v for k, v in params.items() if k not in train}, inputs_T, targets_T, a,
+                      *training_inputs(params, targets_T, step, hp))
 
 
 def training_inputs(params: dict, targets_T, step: int, hp: Hyperparameters) -> tuple:
@@ -1153,9 +1159,7 @@ def train_grads(params: dict, tokens, hp: Hyperparameters, step: int) -> tuple:
     """(gradients of sum(per-token losses) x grad scale by parameter name, that loss) for one flat token
     array at schedule step `step` in training mode, as ref89's `grads` computes them."""
     inputs, targets, _ = padded_sequence(tokens, hp.bos_id)
-    train = trainable(params, hp)
-    return _jit_grads(train, {k: v for k, v in params.items() if k not in train},
-                      inputs, targets, schedule_values(step, hp), *training_inputs(params, targets, step, hp))[:2]
+    return training_pass(params, inputs, targets, schedule_values(step, hp), step, hp)[:2]
 
 
 @jax.jit

@@ -337,9 +337,7 @@ def test_the_whole_model_at_init_predicts_uniformly_and_gets_the_references_zero
     loud = 50300  # a padding row of the vocabulary, made one-hot: after the norm its one entry is sqrt(D)
     p2 = {**pm, "embed.weight": p["embed.weight"].at[loud].set(0).at[loud, 0].set(1)}
     inputs = inputs.at[T:].set(loud)
-    weights = m.trainable(p2, hp)
-    again = m._jit_grads(weights, {k: v for k, v in p2.items() if k not in weights}, inputs, targets,
-                         m.schedule_values(0, hp), *m.training_inputs(p2, targets, 0, hp))[2]  # loss_fn's program
+    again = m.training_pass(p2, inputs, targets, m.schedule_values(0, hp), 0, hp)[2]  # loss_fn's program
     assert cut.shape == (200,) and np.array_equal(np.asarray(again)[:T], cut)
     grads, _ = m.train_grads(p, toks, hp, 1)
     # zero at init, as measured on the reference (ref89 README, pitfall 7): their downstream weights are zero
