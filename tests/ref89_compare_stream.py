@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ref89_compare_grads import load_port, locked, parser, ref89_as_compiled  # noqa: E402
+from ref89_compare_grads import LOCK, load_port, locked, parser, ref89_as_compiled  # noqa: E402
 
 REF_SIDE = r'''
 import sys, types, numpy as np, torch
@@ -85,7 +85,7 @@ def main():
     a = ap.parse_args()
     a.ref89 = ref89_as_compiled(a.ref89, a.workdir)
     out = os.path.join(a.workdir, "cmp_stream_ref.npz")
-    subprocess.run(["flock", "/tmp/ref89.lock", a.torch_python, "-c", REF_SIDE, os.path.dirname(os.path.abspath(a.ref89)),
+    subprocess.run(["flock", LOCK, a.torch_python, "-c", REF_SIDE, os.path.dirname(os.path.abspath(a.ref89)),
                     a.weights, a.tokens, str(a.step), out], check=True)
     R = dict(np.load(out))
     os.remove(out)

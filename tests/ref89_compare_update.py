@@ -30,7 +30,6 @@ ref89 runs single-threaded (reproducible on a busy machine; checked: the step's 
       --weights /tmp/x/W1.npz --tokens /tmp/x/T.npy --steps 1,423,847,1271 --workdir /tmp/x [--noise]
 """
 import argparse
-import fcntl
 import os
 import subprocess
 import sys
@@ -46,9 +45,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from ref89_compare_grads import ref89_as_compiled  # noqa: E402  (this folder is sys.path[0])
+from ref89_compare_grads import LOCK, locked, ref89_as_compiled  # noqa: E402  (this folder is sys.path[0])
 
-LOCK = "/tmp/ref89.lock"
 FP8_BUFFERS = ("_mlp_down_act_scales", "_mlp_down_proj_scales", "_mlp_down_proj_next_scales")
 
 
@@ -233,8 +231,7 @@ def main():
             torch_run(a, f"ref89 optimizer on jittered gradients --step {step}",
                       os.path.join(ROOT, "tests", "ref89_apply_grads.py"), "--ref89", a.ref89, a.weights, G_path,
                       J_path, "--step", str(step), "--jitter-rel", str(a.jitter_rel), "--seed", str(a.jitter_seed))
-        with open(LOCK, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked():
             results[step] = compare(a, step, G_path, S_path, J_path)
         for path in ([J_path] if a.noise else []) + ([] if a.keep else [G_path, S_path]):
             os.remove(path)
