@@ -14,7 +14,7 @@ program it is): a check that the suite works, its numbers mean nothing.
 The suite measures
   compile     seconds to compile the train programs (one per stage shape: chunk length and number
               of MTP weights) and the validation step, cold (an empty persistent cache) and warm (the
-              same cache again after jax.clear_caches());
+              same cache again after jax.clear_caches(), and how many programs it loaded from there);
   train step  each stage's program as train() runs it, with that stage's windows and schedule values:
               synced every step as train() does, and pipelined (the difference is the host loop's
               cost); the preset's whole run estimated from them (steps per stage x its step time);
@@ -28,7 +28,8 @@ The suite measures
               top 15 device ops by self time (on CPU the XLA:CPU thunks) and the 20 source lines of
               train_gpt.py with the most device time (each op's under the innermost two frames of
               its HLO metadata, as tests/gpu/aot.py's static estimate ranks them). Without --suite,
-              only this, of that program compiled alone.
+              only this, of that program compiled alone (or, with --compile-cache-dir, loaded from
+              where a train_gpt.py run of the same preset compiled it).
 
 FLOPs. "GFLOP" is useful work counted analytically: 2 per multiply-add of every matmul (attention
 Q, K, V, O on 10 layers, the MLPs on 11, the head, the MUDD networks), x3 for forward+backward;
@@ -333,15 +334,17 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats, attention):
 
 
 def compile_cold_and_warm(hp, mesh, state, prefix_V):
-    """compile_steps into an empty persistent cache, forget the programs in memory, compile again."""
+    """compile_steps into an empty persistent cache, forget the programs in memory, compile again;
+    the warm compile's programs loaded from the cache are counted (all of them, unless JAX could not
+    store or load one: then "warm" compiled it again)."""
     seconds = {}
     for kind in ("cold", "warm"):
         if kind == "warm":
             jax.clear_caches()
         t0 = time.perf_counter()
-        programs, val_step = tg.compile_steps(hp, mesh, *state, prefix_V)
+        programs, val_step, loaded = tg.compile_steps(hp, mesh, *state, prefix_V)
         seconds[f"{kind}_s"] = time.perf_counter() - t0
-    return programs, val_step, seconds
+    return programs, val_step, {**seconds, "programs": len(programs) + 1, "warm_loaded": loaded}
 
 
 def run_train_steps(program, state, x, y, inputs, prefix_V, n, synced=True):
@@ -635,7 +638,8 @@ def report_lines(result: dict, table: Table) -> list:
         by_stage = ", ".join(f"stage {k} {v:.1f} ms" for k, v in t["ms_by_stage"].items())
         out += [
             f"compile: the train programs and the validation step {c['cold_s']:.1f}s cold, {c['warm_s']:.1f}s warm "
-            f"(fresh persistent cache, then jax.clear_caches())",
+            f"(fresh persistent cache, then jax.clear_caches(); {c['warm_loaded']} of {c['programs']} programs "
+            f"loaded from it)",
             f"memory: peak {peak} ({m['peak_source']}); compiled train program {m['compiled_peak_mib']:,.0f} MiB "
             f"({m['compiled_source']})",
             f"train step: {by_stage}; host loop {t['host_loop_ms']:.1f} ms/step; "
@@ -734,13 +738,14 @@ def profile_mode(hp, args):
     shape = tg.stage_shape(first, hp)
     programs, _ = tg.lower_steps(hp, mesh, *state, prefix_V)
     t0 = time.perf_counter()
-    program = programs[shape].compile()
+    with tg.CacheHits() as hits:
+        program = programs[shape].compile()
     compile_s = time.perf_counter() - t0
     _, x, y, step_inputs = stage_batch(np.random.default_rng(0), hp, mesh, first)
     state, _ = run_train_steps(program, state, x, y, step_inputs, prefix_V, 1)  # warm-up
     profile = profile_rows((program, state, x, y, step_inputs, prefix_V), args.profile)
     return {"stage": tg.stage_of(first, hp)[0], "chunk": shape[0], "mtp_terms": shape[1], "compile_s": compile_s,
-            "profile": profile}
+            "loaded_from_cache": hits.count == 1, "profile": profile}
 
 
 def parse_args(argv=None):
@@ -759,10 +764,15 @@ def parse_args(argv=None):
     parser.add_argument("--profile", metavar="DIR", help="trace train steps of the last stage into DIR and list the top "
                         "device ops and source lines: with --suite, as its last section; alone, the quickest look (that "
                         "program compiled by itself, nothing else measured)")
+    parser.add_argument("--compile-cache-dir", metavar="DIR", help="with --profile alone: JAX's persistent compile "
+                        "cache there, so that a program train_gpt.py compiled with the same --compile-cache-dir, preset "
+                        "and attention is loaded, not compiled again (default: none; the suite always starts a fresh one)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
     args = parser.parse_args(argv)
     if args.profile and args.sweep:
         parser.error("--profile goes with --suite or alone, not with --sweep")
+    if args.compile_cache_dir and not (args.profile and not args.suite):
+        parser.error("--compile-cache-dir goes with --profile alone (the suite measures compile in a fresh cache)")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
     if args.sweep:
@@ -813,10 +823,12 @@ def main(argv=None) -> int:
         lines = [f"Pallas tuning sweep: preset {preset}, {result['device']}, jax {jax.__version__}", *table.lines(),
                  *(f"FAILED {e['section']}: {e['error'].splitlines()[0][:300]}" for e in errors)]
     elif args.profile:
+        tg.enable_compile_cache(args.compile_cache_dir)  # before anything compiles: JAX reads the setting once
         result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                   "attention": hp.attention, **profile_mode(hp, args)}
+        got = "loaded from the persistent compile cache" if result["loaded_from_cache"] else "compiled alone"
         lines = [f"profile: preset {preset}, stage {result['stage']}'s train program (chunks of {result['chunk']:,}, "
-                 f"{result['mtp_terms']} MTP weights, attention {hp.attention}) compiled alone in "
+                 f"{result['mtp_terms']} MTP weights, attention {hp.attention}) {got} in "
                  f"{result['compile_s']:.1f}s, {result['device']}, jax {jax.__version__}", *profile_lines(result["profile"])]
     else:
         table = model_mode(hp, args)

@@ -2117,6 +2117,28 @@ def enable_compile_cache(cache_dir: str) -> None:
         jax.config.update("jax_persistent_cache_enable_xla_caches", "all")
 
 
+class CacheHits:
+    """with CacheHits() as hits: ... -> hits.count, the programs JAX loaded from its persistent compile
+    cache meanwhile (JAX's monitoring event, whichever thread compiles; eager ops count too)."""
+    EVENT = "/jax/compilation_cache/cache_hits"
+
+    def __enter__(self):
+        self._hits = []  # (list.append: one step, whichever thread calls)
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    @property
+    def count(self) -> int:
+        return len(self._hits)
+
+    def _event(self, event, **_):
+        if event == self.EVENT:
+            self._hits.append(event)
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_listener(self._event)
+
+
 class Interrupted(BaseException):
     """SIGINT/SIGTERM; a BaseException, like KeyboardInterrupt, so no library's `except Exception` eats it."""
 
@@ -2249,15 +2271,17 @@ def lower_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pref
 
 
 def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):
-    """{stage shape: compiled train program} and the compiled validation program, ahead of time, all at
-    once: a thread each, as XLA compiles one program on about one core (JAX lets go of the GIL)."""
+    """{stage shape: compiled train program}, the compiled validation program, and how many of these
+    the persistent cache gave; ahead of time, all at once: a thread each, as XLA compiles one program
+    on about one core (JAX lets go of the GIL)."""
     programs, val_step = lower_steps(hp, mesh, params, buffers, opt_state, fp8, prefix_V)
     pool = ThreadPoolExecutor(len(programs) + 1)
     try:
-        *compiled, val_compiled = pool.map(lambda lowered: lowered.compile(), [*programs.values(), val_step])
+        with CacheHits() as hits:  # (not around the tracing: its eager ops compile too)
+            *compiled, val_compiled = pool.map(lambda lowered: lowered.compile(), [*programs.values(), val_step])
     finally:  # an interrupt goes on at once, not after the other compiles (they end on their own)
         pool.shutdown(wait=False, cancel_futures=True)
-    return dict(zip(programs, compiled)), val_compiled
+    return dict(zip(programs, compiled)), val_compiled, hits.count
 
 
 def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batches, val_batches, prefix_V):
@@ -2343,7 +2367,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         prefix_V = jax.device_put(prefix_table(hp.padded_vocab), replicated)
         console(f"compiling the train and validation steps (persistent cache: {hp.compile_cache_dir or 'off'}) ...")
         t0 = time.perf_counter()
-        programs, val_step = compile_steps(hp, mesh, *state, prefix_V)
+        programs, val_step, loaded = compile_steps(hp, mesh, *state, prefix_V)
         compile_s = time.perf_counter() - t0
 
         if main_process:
@@ -2357,8 +2381,10 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         if init_path:
             say(f"initial weights: {os.path.abspath(init_path)}")
         plural = "s" * (len(programs) > 1)
+        cache = (f"{hp.compile_cache_dir}, {loaded} of {len(programs) + 1} loaded from it" if hp.compile_cache_dir
+                 else "off")
         say(f"compile: {compile_s:.1f}s for {len(programs)} train program{plural} and the validation step "
-            f"(persistent cache: {hp.compile_cache_dir or 'off'})")
+            f"(persistent cache: {cache})")
 
         def put(chunks):
             return tuple(jax.make_array_from_process_local_data(by_chunk, a[inputs.rows])

@@ -18,7 +18,7 @@ from scipy import stats as scipy_stats
 
 from records import attempt, compare, stats
 from records.logs import parse_log
-from conftest import TINY_STEPS
+from conftest import COMPILE_CACHE, TINY_STEPS
 from log_writers import HP, NVIDIA_SMI, hp_with, write_log, write_torch_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +53,10 @@ def test_a_two_run_attempt_makes_two_seeded_runs_with_a_tally_after_each(tiny_at
         assert (f"attempt: {done} of 2 runs done, 0 failed; mean final val loss {statistics.mean(losses[:done]):.4f}"
                 in proc.stdout)
     assert proc.stdout.count(" finished; ETA ") == 1 and "2 finished; all done\n" in proc.stdout
+    # the second run loads both programs the first compiled into the shared cache, and says so
+    second = [line for line in open(tiny_attempt.logs[1]) if line.startswith("compile: ")]
+    assert len(second) == 1
+    assert second[0].rstrip().endswith(f"(persistent cache: {COMPILE_CACHE}, 2 of 2 loaded from it)")
 
 
 def test_the_attempts_verdict_covers_exactly_its_runs_and_reproduces(tiny_attempt):

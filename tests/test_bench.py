@@ -3,7 +3,6 @@ traces, bad input, and the whole suite on CPU at the smoke shape (a subprocess);
 on the tiny run's program."""
 import gzip
 import json
-import logging
 import os
 import re
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 
 import bench
 import train_gpt as tg
+from conftest import COMPILE_CACHE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,6 +194,10 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--repeats", "0"])
     assert e.value.code == 2 and "--repeats 0" in capsys.readouterr().err
+    for flags in (["--suite", "--profile", "somewhere"], ["--sweep", "fwd:128/8/2"], []):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args([*flags, "--compile-cache-dir", str(tmp_path)])
+        assert e.value.code == 2 and "--compile-cache-dir goes with --profile alone" in capsys.readouterr().err
     assert bench.main(["--out", str(tmp_path)]) == 2  # a folder: refused before any benchmark runs
     assert "cannot write" in capsys.readouterr().err
 
@@ -222,22 +226,23 @@ ROW_FIELDS = {"ms", "tokens_per_s", "gflop", "tflops", "mfu", "mfu_nominal", "xl
               "note"}
 
 
-def test_the_profile_alone_loads_the_last_stages_program_and_ranks_its_ops_and_lines(tiny_attempt, tmp_path, capsys,
-                                                                                   caplog):
-    """At --preset smoke the program is the tests' tiny run's: the shared attempt compiled it into the
-    test run's compile cache (conftest), so this test loads it instead of compiling it (a minute of CPU)."""
-    caplog.set_level(logging.DEBUG, logger="jax._src.compiler")
+def test_the_profile_alone_loads_the_last_stages_program_and_ranks_its_ops_and_lines(tiny_attempt, tmp_path):
+    """At --preset smoke the program is the tests' tiny run's: the shared attempt's train_gpt.py compiled
+    it into the test run's compile cache (conftest), so this bench.py loads it from there instead of
+    compiling it (a minute of CPU), as a GPU session's profile loads its short run's (tests/gpu/session.sh)."""
     out = tmp_path / "profile.txt"
-    assert bench.main(["--preset", "smoke", "--profile", str(tmp_path / "trace"), "--out", str(out)]) == 0
-    cache = [r.getMessage().split(" with key")[0] for r in caplog.records if "'jit_train_step'" in r.getMessage()]
-    assert cache == ["Persistent compilation cache hit for 'jit_train_step'"]  # smoke = conftest's TINY_FLAGS
-    printed = capsys.readouterr().out
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--preset", "smoke", "--profile",
+                           str(tmp_path / "trace"), "--compile-cache-dir", COMPILE_CACHE, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout
     assert out.read_text() == printed
     table, line = printed.rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     assert tg.program_steps(bench.PRESETS["smoke"]) == [0]  # one program serves every stage: stage 0's
-    assert table.startswith("profile: preset smoke, stage 0's train program (chunks of 128, 1 MTP weights")
-    assert result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (0, 128)
+    assert table.startswith("profile: preset smoke, stage 0's train program (chunks of 128, 1 MTP weights, attention "
+                            "xla) loaded from the persistent compile cache in ")  # smoke = conftest's TINY_FLAGS
+    assert result["loaded_from_cache"] and result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (0, 128)
     profile = result["profile"]
     assert profile["steps"] == bench.PROFILE_STEPS and profile["trace"].startswith(str(tmp_path / "trace"))
     assert 0 < len(profile["top_ops"]) <= bench.TOP_OPS and 0 < len(profile["top_sources"]) <= bench.TOP_SOURCES
@@ -265,7 +270,9 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
     assert result["errors"] == [] and "FAILED" not in table
     hp = bench.PRESETS["smoke"]
     assert result["preset"] == "smoke" and result["chunks_per_device"] == 8
-    assert set(result["compile"]) == {"cold_s", "warm_s"} and all(s > 0 for s in result["compile"].values())
+    c = result["compile"]
+    assert set(c) == {"cold_s", "warm_s", "programs", "warm_loaded"} and c["cold_s"] > 0 and c["warm_s"] > 0
+    assert c["programs"] == c["warm_loaded"] == 2  # one train program, the validation step: warm = loaded
     assert result["memory"]["peak_mib"] is None and "n/a" in result["memory"]["peak_source"]
     assert result["memory"]["compiled_peak_mib"] > 0
     t = result["train_step"]

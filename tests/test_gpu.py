@@ -935,6 +935,22 @@ def test_session_script_keeps_each_pieces_output_and_refuses_unknown_pieces(tmp_
         r = subprocess.run([script, *bad_args], capture_output=True, text=True, env={**env, **bad_env}, timeout=60)
         assert r.returncode == 2 and says in r.stderr, r.stderr
 
+    # short-IMPL compiles into an empty cache of this call's for IMPL, from which profile-IMPL loads its
+    # program; the caches go at the end. (A stand-in python3 writes down what it was asked to run.)
+    calls, stand_in = tmp_path / "calls.txt", tmp_path / "python3"
+    stand_in.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    stand_in.chmod(0o755)
+    r = subprocess.run([script, "short-xla", "profile-xla", "short-pallas", "profile-pallas"], capture_output=True,
+                       text=True, env={**env, "PYTHON": str(stand_in)}, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    argv = [line.split() for line in calls.read_text().splitlines()]
+    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "bench.py", "train_gpt.py", "bench.py"]
+    cache = {(a[0], a[a.index("--attention") + 1]): a[a.index("--compile-cache-dir") + 1] for a in argv[1:]}
+    assert cache["train_gpt.py", "xla"] == cache["bench.py", "xla"] != cache["train_gpt.py", "pallas"] == cache[
+        "bench.py", "pallas"]
+    assert os.path.dirname(cache["bench.py", "xla"]) == os.path.dirname(cache["bench.py", "pallas"])
+    assert not os.path.exists(os.path.dirname(cache["bench.py", "xla"]))  # removed at the end
+
 
 def cuda_plugin_installed() -> bool:
     try:

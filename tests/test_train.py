@@ -72,8 +72,8 @@ def test_compile_steps_compiles_every_program_at_once_and_keeps_each_by_its_shap
 
     programs = {shape: Lowered(shape, 0.1 * (len(shapes) - i)) for i, shape in enumerate(shapes)}
     monkeypatch.setattr(tg, "lower_steps", lambda *args: (programs, Lowered("val", 0)))
-    compiled, val = tg.compile_steps(*[None] * 7)
-    assert compiled == {shape: f"compiled {shape}" for shape in shapes} and val == "compiled val"
+    compiled, val, loaded = tg.compile_steps(*[None] * 7)
+    assert compiled == {shape: f"compiled {shape}" for shape in shapes} and val == "compiled val" and loaded == 0
     assert finished == ["val", *reversed(shapes)]
 
 
@@ -105,6 +105,22 @@ def test_an_interrupt_while_compiling_goes_on_without_waiting_for_the_compiles(m
         if len(finished) < 2:
             tg.time.sleep(0.05)
     assert finished == [True, True]
+
+
+def test_cache_hits_count_the_programs_loaded_from_the_persistent_cache():
+    """The compile line's "N of M loaded from it" (and bench.py's): JAX's cache-hit events, counted only
+    inside the block, from the compile threads too. conftest enabled the test run's persistent cache."""
+    salt = float(np.random.default_rng().integers(1, 2**30))  # a program no earlier run has cached
+
+    def compile_it(_=None):  # a new function each time, so JAX's in-memory caches do not answer; no eager op
+        return tg.jax.jit(lambda x: tg.jnp.sin(x) * salt).lower(tg.jax.ShapeDtypeStruct((8,), tg.F32)).compile()
+
+    with tg.CacheHits() as cold:
+        compile_it()
+    with tg.CacheHits() as warm:
+        list(tg.ThreadPoolExecutor(2).map(compile_it, range(2)))
+    compile_it()  # after the block: not counted
+    assert (cold.count, warm.count) == (0, 2)
 
 
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "too_many_steps",

@@ -20,10 +20,13 @@
 #                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validations at
 #                   steps 0, 10, 20 on the first 2,097,152 tokens (one validation step of the record's
 #                   val program, the smallest its batch allows; the issue's "1M") and at the end on
-#                   the full 10,485,760, a cold compile cache                             (limit 360 s)
+#                   the full 10,485,760; it compiles cold, into this call's empty cache for IMPL
+#                   (its log's compile line says "0 of 4 loaded from it")                 (limit 360 s)
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
 #   profile-IMPL    python3 bench.py --profile TMP --attention IMPL: the last stage's train program
-#                   alone, its top device ops and source lines, in profile-IMPL.txt       (limit 300 s)
+#                   alone, its top device ops and source lines, in profile-IMPL.txt; after short-IMPL
+#                   in the same call it loads that program from the cache short-IMPL filled, instead
+#                   of compiling it again (its header says which)                        (limit 300 s)
 #   bench           python3 bench.py --suite --profile TMP: the table in bench.txt        (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
 #                   the record's last-stage chunk, a row each, in sweep.txt (default: SWEEP_DEFAULT
@@ -57,6 +60,7 @@ for p in "$@"; do  # every name checked before anything runs
     fi
 done
 RUN=$(mktemp -d "$OUT/run.XXXXXX")  # what this call's pieces write, packed at the end
+CACHES=$(mktemp -d)  # this call's compile caches, one per attention implementation, empty at first
 status=0
 
 say() { echo "$*" | tee -a "$OUT/session.txt"; }
@@ -98,7 +102,7 @@ for p in "$@"; do
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
                 --num-scheduled-iterations 27 --num-extension-iterations 3 \
                 --val-loss-every 10 --intermediate-val-tokens 2097152 \
-                --records-dir "$RUN/rec" --compile-cache-dir "" ;;
+                --records-dir "$RUN/rec" --compile-cache-dir "$CACHES/${p#short-}" ;;
         short-record20)
             shards
             piece "$p" 360 "$PY" records/record20/train_gpt.py --preset record --num-iterations 30 --val-loss-every 0 \
@@ -106,7 +110,8 @@ for p in "$@"; do
                 --records-dir "$RUN/rec" --compile-cache-dir "" ;;
         # the tables keep the profile's top ops and lines; the raw trace (tens of MB) stays on the machine
         profile-xla|profile-pallas)
-            piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --out "$RUN/$p.txt" ;;
+            piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" \
+                --compile-cache-dir "$CACHES/${p#profile-}" --out "$RUN/$p.txt" ;;
         bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --out "$RUN/bench.txt" ;;
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$RUN/sweep.txt" ;;
     esac
@@ -114,6 +119,7 @@ done
 # what this call's pieces wrote in one file (a device call brings back at most 8), under a new name
 pack=pieces_$(date -u +%Y%m%d_%H%M%S).tar.gz
 [ -e "$OUT/$pack" ] && pack=pieces_$(date -u +%Y%m%d_%H%M%S)_$$.tar.gz
+rm -rf "$CACHES"
 if tar -czf "$OUT/$pack" -C "$RUN" . && rm -rf "$RUN"; then
     say "== the pieces' output: $OUT/$pack ($(date -u +%H:%M:%S), ${SECONDS}s of BUDGET_S=${BUDGET_S})"
 else
