@@ -11,6 +11,7 @@ cd "$(dirname "$0")"
 
 help=0
 attempt=0  # --runs N: a record attempt, handed to records/attempt.py
+own_data=0  # --train-files or --val-files given: the user's data, so run.sh gets none
 script=train_gpt.py  # --script PATH: another training script (a copy, or records/record20/train_gpt.py)
 if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
     previous=""
@@ -19,6 +20,7 @@ if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
         case "$arg" in
             -h|--help) help=1 ;;
             --runs|--runs=*) attempt=1 ;;
+            --train-files|--train-files=*|--val-files|--val-files=*) own_data=1 ;;
         esac
         case "$previous/$arg" in
             --script/*) script="$arg" ;;
@@ -28,6 +30,10 @@ if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
         esac
         previous="$arg"
     done
+    if [ "$previous" = --script ]; then
+        echo "run.sh: --script needs a path, e.g. --script my_attempt.py" >&2
+        exit 2
+    fi
     if [ ! -f "$script" ]; then
         echo "run.sh: --script $script: no such file (relative paths start at $(pwd))" >&2
         exit 2
@@ -51,7 +57,8 @@ usage: ./run.sh [--script PATH] [train_gpt.py options]
 Set-up: .venv (unless a virtual environment is active) with requirements.txt, plus the CUDA build
 of jax when nvidia-smi lists GPUs. Data: on GPUs, the FineWeb val shard and 8 train shards in
 data/fineweb10B; without GPUs, 1 train shard, or synthetic shards in data/synthetic when FineWeb
-cannot be downloaded. run.sh works in its own folder: relative paths in options start there.
+cannot be downloaded; none when --train-files or --val-files names your own. The options are
+checked before any data work. run.sh works in its own folder: relative paths in options start there.
 
 EOF
 fi
@@ -62,7 +69,9 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     source .venv/bin/activate
 fi
 python -m pip install -q --disable-pip-version-check -r requirements.txt
-if [ "$help" = 1 ]; then
+if [ "$help" = 1 ] && [ "$attempt" = 1 ]; then
+    exec python records/attempt.py --help
+elif [ "$help" = 1 ]; then
     exec python "$script" --help  # needs the packages, not the data
 fi
 
@@ -83,12 +92,18 @@ if [ "${1:-}" = "test" ]; then
     # load, one test at a time: the tests in order (the heavy ones first: conftest) to the workers as
     # they free up (each keeps one queued), so that no long test ends alone
 fi
-if [ "$attempt" = 1 ]; then  # a bad --runs (or other attempt option) exits 2 here, before any data work
+# bad options exit 2 here, before any data work: the attempt's, and the script's when it can check
+# them (train_gpt.py and copies of it: --check; the attempt asks its script the same way)
+if [ "$attempt" = 1 ]; then
     python records/attempt.py --check "$@"
+elif grep -q -- '"--check"' "$script"; then
+    python "$script" --check "$@"
 fi
 
 data_flags=()
-if [ "$gpus" -gt 0 ]; then
+if [ "$own_data" = 1 ]; then
+    echo "run.sh: --train-files/--val-files given: no data downloaded or generated"
+elif [ "$gpus" -gt 0 ]; then
     # record 89 reads 339M tokens (410M of shards: BOS-aligned batches skip to the next shard); record
     # 20's archive 730M: 8 train shards of 100M tokens serve both
     python data/cached_fineweb10B.py 8

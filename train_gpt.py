@@ -1691,8 +1691,9 @@ TRAIN_MAX_NUM_DOCS = {16384: 64, 32768: 96, 49152: 128}
 # The shard format that data/shards.py writes: 256 little-endian int32 (magic, version, token count,
 # zeros), then the uint16 tokens.
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 256 * 4
-SHARD_FIX = ("delete it, then download it again (python data/cached_fineweb10B.py N) or regenerate it "
-             "(data/fineweb.py, data/synthetic.py)")
+SHARD_FIX = ("if it is a shard, delete it, then download it again (python data/cached_fineweb10B.py N) or "
+             "regenerate it (data/fineweb.py, data/synthetic.py); if not, make --train-files / --val-files match "
+             "shards only")
 
 
 def read_shard_header(path: str) -> int:
@@ -2160,8 +2161,10 @@ class TrainClock:
         self.done_ms, self.since = self.ms(), None
 
 
-def eta_note(steps_left: int, step_ms: float, validations_left: int, val_s: float) -> str:
-    seconds = steps_left * step_ms / 1000 + validations_left * val_s
+def eta_note(tokens_S, steps_done: int, train_ms: float, validations_left: int, val_s: float) -> str:
+    """Time left: the steps left at the run's time per token so far (tokens_S: each step's batch; a
+    last-stage step holds 3x a first-stage one in the record), and the validations at the last one's."""
+    seconds = train_ms / 1000 * tokens_S[steps_done:].sum() / tokens_S[:steps_done].sum() + validations_left * val_s
     return f"  (ETA {seconds / 60:.1f} min)" if seconds >= 1 else ""
 
 
@@ -2292,6 +2295,7 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
     params, buffers, opt_state, fp8 = state
     validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
     val_steps_before_last = (hp.intermediate_val_tokens or hp.val_tokens) // hp.val_batch_size
+    tokens_S = np.array([hp.stages[stage_of(s, hp)[0]].batch_size for s in range(N)], np.float64)
     # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the host.
     clock, pending, val_s, step = TrainClock(), None, 0.0, 0
 
@@ -2304,7 +2308,7 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
                 f"non-finite train loss {loss} at step {finished + 1}: usual causes are a learning rate too "
                 f"high for this batch or model (--muon-lr, --adam-lr, ...) and bad data (check the shards)")
         left = [v for v in validations if v > finished]
-        say(train_line(finished + 1, N, ms), eta_note(N - finished - 1, ms / (finished + 1), len(left), val_s))
+        say(train_line(finished + 1, N, ms), eta_note(tokens_S, finished + 1, ms, len(left), val_s))
 
     try:
         for step in range(N + 1):
@@ -2505,6 +2509,8 @@ def parse_args(argv=None):
                         "ref89.py init writes them) instead of the seed's initialisation")
     parser.add_argument("--save-weights", metavar="PATH", help="after the run, save the trained weights and state "
                         "buffers to PATH (.npz keyed by the PyTorch reference's names)")
+    parser.add_argument("--check", action="store_true", help="check the options and exit (run.sh does so before "
+                        "its data work; shards and weight files are checked when a run starts)")
     launch = parser.add_argument_group("multi-process launch (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
                                        "JAX_PROCESS_ID; SLURM and Open MPI are detected)")
     launch.add_argument("--coordinator-address", help="host:port of process 0")
@@ -2523,15 +2529,16 @@ def parse_args(argv=None):
             hyper.add_argument(flag, dest=field.name, type=field.type, default=None, help=defaults,
                                choices=("xla", "pallas") if field.name == "attention" else None)
     stages = parser.add_argument_group("stage table (defaults: the preset's; four values: stages 0-2 and the extension)")
+    def table(column):
+        return "; ".join(f"{name}: " + ",".join(str(column(s)) for s in PRESETS[name].stages) for name in ("record", "cpu"))
+
     stages.add_argument("--stage-batch-sizes", metavar="B0,B1,B2,B3",
-                        help="tokens per step over the 8 reference ranks (record: " +
-                        ",".join(str(s.batch_size) for s in RECORD_STAGES) + ")")
-    stages.add_argument("--stage-max-seq-lens", metavar="L0,L1,L2,L3", help="documents are cut at this length (record: "
-                        + ",".join(str(s.max_seq_len) for s in RECORD_STAGES) + ")")
+                        help=f"tokens per step over the 8 reference ranks ({table(lambda s: s.batch_size)})")
+    stages.add_argument("--stage-max-seq-lens", metavar="L0,L1,L2,L3",
+                        help=f"documents are cut at this length ({table(lambda s: s.max_seq_len)})")
     stages.add_argument("--stage-mtp-terms", metavar="N0,N1,N2,N3", help="multi-token-prediction terms: each stage "
-                        "keeps the first N of its MTP weights (record: " +
-                        ",".join(str(len(s.mtp_start)) for s in RECORD_STAGES) + "; 1,1,1,1: next token only, one "
-                        "train program for every stage)")
+                        f"keeps the first N of its MTP weights ({table(lambda s: len(s.mtp_start))}; 1,1,1,1: next "
+                        f"token only, and stages of one batch size share a train program)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
@@ -2582,9 +2589,13 @@ FLAG_FIELDS = [f for f in dataclasses.fields(Hyperparameters) if f.name != "stag
 def main(argv=None) -> int:
     args, overrides = parse_args(argv)
     try:
-        start_distributed(distributed_settings(args))
+        settings = distributed_settings(args)
+        if not args.check:
+            start_distributed(settings)
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
         hp = with_stage_flags(dataclasses.replace(PRESETS[preset], **overrides), args)
+        if args.check:
+            return 0
         if args.preset is None and jax.process_index() == 0:
             print(f"preset {preset} (chosen because the JAX backend is {jax.default_backend()}; "
                   f"pass --preset to choose)", flush=True)

@@ -3,7 +3,8 @@
   python data/cached_fineweb10B.py N [--out DIR]
 
 fetches fineweb_val_000000.bin and train shards 1..N (100M tokens each; the repo has 103, and 8 hold
-the record's 1393 steps of 524,288 tokens) from the dataset repo kjj0/fineweb10B-gpt2 into --out
+what record 89 reads, 339M tokens from about 410M of shards, and record 20's 730M) from the dataset
+repo kjj0/fineweb10B-gpt2 into --out
 (default data/fineweb10B, relative to the current folder), one file at a time.
 Shards already present and valid are skipped without touching the network. Every file's header
 and size are checked; a bad one is moved aside (NAME.bad) and reported. Exit code 0 when all N+1

@@ -45,8 +45,8 @@ def write_shard(path, tokens) -> None:
 
 def read_header(path) -> int:
     """Validate a shard's header and size; return its token count."""
-    fix = ("delete it and re-download it (python data/cached_fineweb10B.py N) "
-           "or regenerate it (data/fineweb.py, data/synthetic.py)")
+    fix = ("if it is a shard, delete it and re-download it (python data/cached_fineweb10B.py N) or regenerate "
+           "it (data/fineweb.py, data/synthetic.py); if not, give a path or pattern that matches shards only")
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

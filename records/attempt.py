@@ -8,7 +8,8 @@ after another, then records/stats.py's verdict over exactly those runs' logs.
 Run i gets --seed S+i-1, S given or drawn at random (and printed, so that the attempt can be
 repeated); every other option goes to the script unchanged (--records-dir says where the logs go).
 Each run's log is the path the script prints on a line `record log: PATH` (train_gpt.py does as
-soon as it opens its log). After each run, a tally: runs done, mean final val loss so far, ETA.
+soon as it opens its log). After each run, a tally: runs done and failed, mean final val loss so
+far, ETA.
 The verdict is records/stats.py over the attempt's logs, with --against, --target, --alpha and
 --plot passed to it; it is printed and saved beside the logs as attempt_<UTC time>_<id>.verdict,
 with the stats.py command that reproduces it.
@@ -24,6 +25,7 @@ SIGTERM) interrupted.
 """
 import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import random
@@ -44,6 +46,7 @@ from records.logs import LogError, parse_log  # noqa: E402
 TRAIN_GPT = os.path.join(os.path.dirname(HERE), "train_gpt.py")
 LOG_LINE = re.compile(r"^record log: (.+)$")  # what train() prints once its log is open
 INTERRUPTED = {128 + signal.SIGINT: signal.SIGINT, 128 + signal.SIGTERM: signal.SIGTERM}  # 130, 143
+PLOT_EXTRAS = ("matplotlib", "scipy")  # what stats.py --plot imports (not in requirements.txt)
 
 
 def run_count(text: str) -> int:
@@ -69,8 +72,9 @@ def parse_args(argv):
     parser.add_argument("--target", type=float, default=stats.TARGET, help="stats.py --target (3.28)")
     parser.add_argument("--alpha", type=stats.probability, default=stats.ALPHA, help="stats.py --alpha (0.01)")
     parser.add_argument("--plot", metavar="OUT.png", help="stats.py --plot: the runs' final losses and times")
-    parser.add_argument("--check", action="store_true", help="check these options and exit (run.sh does this "
-                        "before it downloads or generates data)")
+    parser.add_argument("--check", action="store_true", help="check these options, and the script's with its own "
+                        "--check where it has one (train_gpt.py does), then exit (run.sh does this before it "
+                        "downloads or generates data)")
     args, script_args = parser.parse_known_args(argv)
     if not os.path.isfile(args.script):
         parser.error(f"--script {args.script}: no such file ({os.path.abspath(args.script)}); give the path of "
@@ -82,7 +86,23 @@ def parse_args(argv):
         except LogError as e:
             parser.error(str(e))
         args.against = against
+    if args.plot:  # likewise: a missing extra or folder must not cost the attempt its verdict
+        missing = [m for m in PLOT_EXTRAS if importlib.util.find_spec(m) is None]
+        if missing:
+            parser.error(f"--plot needs {' and '.join(missing)}, optional extras not installed here: pip install "
+                         f"matplotlib scipy, or leave --plot out (records/stats.py --plot draws it later)")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--plot {args.plot}: {folder} is no folder this user can write to")
     return args, script_args
+
+
+def script_check(script: str, script_args: list) -> int:
+    """The script's own check of its options (train_gpt.py --check), where it has one: its exit code."""
+    with open(script) as f:
+        if '"--check"' not in f.read():  # e.g. the record-20 archive: its options are checked when it runs
+            return 0
+    return subprocess.run([sys.executable, script, *script_args, "--check"]).returncode
 
 
 def shown(path: str) -> str:
@@ -177,7 +197,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, script_args = parse_args(argv)
     if args.check:
-        return 0
+        return script_check(args.script, script_args)
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(1_000_000)
     command = f"python {shlex.join([shown(__file__), *argv])}" + ("" if args.seed is not None else f" --seed {base}")
     print(f"attempt: {args.runs} run(s) of {shown(args.script)}, seeds {base}..{base + args.runs - 1}"
@@ -202,7 +222,8 @@ def main(argv=None) -> int:
         print(f"attempt: run {run.number} of {args.runs}, seed {run.seed}: "
               f"{shlex.join([shown(args.script), *script_command[2:]])}", flush=True)
         run_once(run, script_command, stop)
-        print(tally(runs, args.runs), flush=True)
+        if run.code != 2:  # (the stop below says what happened)
+            print(tally(runs, args.runs), flush=True)
         if run.code == 2:
             print(f"attempt: stopped: run {run.number} exited 2 (bad flags or data, said above); every run would "
                   f"fail the same way: fix it and start the attempt again", file=sys.stderr, flush=True)

@@ -121,7 +121,13 @@ def curve_table(a, b, baseline=None, baseline_name="") -> list:
         if baseline:
             row += f" {base[s]:>9.4f}" if s in base else f" {'':>9}"
         rows.append(row.rstrip())
-    return rows if len(rows) > 1 else ["no common validation steps"]
+    if len(rows) == 1:
+        return ["no common validation steps"]
+    if baseline and not base.keys() & set(va) & set(vb):  # an empty column would look like a bug
+        steps = sorted(base)
+        rows.append(f"({baseline_name} has no value at these steps: its curve is at steps {steps[0]}, {steps[1]}, "
+                    f"..., {steps[-1]}; --plot draws it)")
+    return rows
 
 
 def fraction_table(a, b) -> list:

@@ -231,6 +231,22 @@ def test_against_logs_are_checked_before_any_run(tmp_path, capsys):
     assert e.value.code == 2 and f"--against: no file matches {tmp_path / 'nothing_*.txt'}" in capsys.readouterr().err
 
 
+def test_plot_is_checked_before_any_run(tmp_path, capsys, monkeypatch):
+    """A missing optional extra, or a folder that cannot take the plot, would otherwise surface in the
+    verdict, after the runs (where it used to replace the statistics)."""
+    monkeypatch.setattr(attempt, "PLOT_EXTRAS", ("matplotlib", "no_such_module_here"))
+    with pytest.raises(SystemExit) as e:
+        attempt.main(["--runs", "2", "--plot", str(tmp_path / "a.png"), "--check"])
+    assert e.value.code == 2
+    assert "--plot needs no_such_module_here, optional extras not installed here: pip install matplotlib scipy" \
+        in capsys.readouterr().err
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as e:
+        attempt.main(["--runs", "2", "--plot", str(tmp_path / "nowhere" / "a.png"), "--check"])
+    assert e.value.code == 2 and f"{tmp_path / 'nowhere'} is no folder this user can write to" in capsys.readouterr().err
+    assert attempt.main(["--runs", "2", "--plot", str(tmp_path / "a.png"), "--check"]) == 0  # extras here, folder too
+
+
 # ---- run.sh --runs
 
 def repo_copy(tmp_path):
@@ -259,6 +275,36 @@ def test_run_sh_refuses_a_bad_runs_value_before_any_data_work(tmp_path):
     assert "--runs must be a whole number of runs, at least 1 (got '-1')" in r.stderr
     assert not (repo / "data" / "fineweb10B").exists() and not (repo / "data" / "synthetic").exists()
     assert list(repo.rglob("*.bin")) == [] and list((repo / "records").glob("*.txt")) == []
+
+
+def test_run_sh_checks_the_scripts_options_before_any_data_work(tmp_path):
+    """A bad train_gpt.py option (train_gpt.py --check, for one run or through the attempt), or --script
+    without its path, exits 2 before run.sh downloads or generates anything."""
+    repo, env = repo_copy(tmp_path)
+    for argv, says in ((["--num-scheduled-iterations", "-1"], "--num-scheduled-iterations -1 must be at least 3"),
+                       (["--runs", "2", "--num-scheduled-iterations", "-1"], "--num-scheduled-iterations -1 must be"),
+                       (["--num-scheduled-iterations", "5", "--script"], "run.sh: --script needs a path")):
+        r = subprocess.run([str(repo / "run.sh"), *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and says in r.stderr, (argv, r.stderr)
+        assert "SYNTHETIC" not in r.stdout and not (repo / "data" / "synthetic").exists()
+        assert not (repo / "data" / "fineweb10B").exists() and list(repo.rglob("*.bin")) == []
+    r = subprocess.run([str(repo / "run.sh"), "--runs", "2", "--help"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "usage: records/attempt.py" in r.stdout  # the attempt's options, not the script's
+
+
+def test_run_sh_leaves_the_data_to_whoever_names_it(tmp_path, fake):
+    repo, env = repo_copy(tmp_path)
+    script, templates, records = fake(finished={5: 3.27})
+    r = subprocess.run([str(repo / "run.sh"), "--script", script, "--train-files", "mine/train_*.bin", "--val-files",
+                        "mine/val_*.bin", "--templates", templates, "--records-dir", records, "--seed", "5"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--train-files/--val-files given: no data downloaded or generated" in r.stdout
+    assert "argv: ['--train-files', 'mine/train_*.bin', '--val-files', 'mine/val_*.bin'," in r.stdout
+    assert "SYNTHETIC" not in r.stdout and not (repo / "data" / "synthetic").exists()
+    assert not (repo / "data" / "fineweb10B").exists()
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with GPUs run.sh downloads 8 FineWeb shards")

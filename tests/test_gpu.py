@@ -907,6 +907,10 @@ def test_session_script_keeps_each_pieces_output_and_refuses_unknown_pieces(tmp_
     r = subprocess.run([script, "lane", "nope"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "unknown piece 'nope'" in r.stderr
     assert list(out.iterdir()) == []  # nothing ran
+    r = subprocess.run([script, "--help"], capture_output=True, text=True, env={**env, "OUT": str(tmp_path / "h")},
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("The GPU session's measurements") and "\nPieces:\n" in r.stdout
+    assert not (tmp_path / "h").exists()  # usage only: no output folder
 
     # files of someone else's, named as the pieces' output, and an earlier pack in $OUT stay as they are
     (out / "rec").mkdir()

@@ -61,6 +61,16 @@ def test_bad_flags_exit_2_before_any_work(argv, expect, tmp_path, capsys):
     assert not (tmp_path / "records").exists()
 
 
+def test_check_answers_for_the_options_alone(tmp_path, capsys):
+    """--check (run.sh asks it before its data work): the same verdict on the options, and nothing else."""
+    records = str(tmp_path / "records")
+    assert tg.main(["--check", "--num-scheduled-iterations", "0", "--records-dir", records]) == 2
+    assert "error: bad hyperparameters" in capsys.readouterr().err
+    missing = str(tmp_path / "none_*.bin")  # shards are the run's to check, not --check's
+    assert tg.main(["--check", "--train-files", missing, "--records-dir", records]) == 0
+    assert capsys.readouterr() == ("", "") and not (tmp_path / "records").exists()
+
+
 def test_stage_flags_change_only_their_field():
     args, overrides = tg.parse_args(["--stage-batch-sizes", "1024,2048,3072,3072", "--stage-max-seq-lens",
                                      "128,256,256,512", "--stage-mtp-terms", "2,1,1,1"])

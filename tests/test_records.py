@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -150,6 +151,16 @@ def test_compare_diffs_the_embedded_sources(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"--- {a}\n+++ {tmp_path / 'b.txt'}\n" in out
     assert "\n-MUDD_SCALE = 0.1  #" in out and "\n+MUDD_SCALE = 0.2  #" in out and "hyperparameters identical" in out
+
+
+def test_a_baseline_column_without_values_says_where_the_baseline_is():
+    run = lambda *steps: types.SimpleNamespace(val_curve=[(s, 4.0 + s / 100, 0.0) for s in steps])  # noqa: E731
+    baseline = [(0, 10.8, 0.0), (125, 4.5, 9.0), (250, 4.2, 18.0)]
+    rows = compare.curve_table(run(3, 6, 9), run(3, 6), baseline, "record20")
+    assert rows[1:] == ["     3   4.0300   4.0300  +0.0000", "     6   4.0600   4.0600  +0.0000",
+                        "(record20 has no value at these steps: its curve is at steps 0, 125, ..., 250; --plot draws it)"]
+    rows = compare.curve_table(run(0, 3), run(0, 3), baseline, "record20")
+    assert rows[1] == "     0   4.0000   4.0000  +0.0000   10.8000" and len(rows) == 3  # a value: no note
 
 
 def test_compare_plot_is_a_png_with_both_runs_and_the_baseline(tmp_path, capsys):

@@ -140,6 +140,9 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
             data[0] ^= 0xFF
         bad.write_bytes(bytes(data[:-2]) if case == "truncated" else bytes(data))
         overrides, expect = {"--train-files": str(bad)}, "bad_000001.bin"
+        if case == "bad_magic":  # perhaps no shard at all (a pattern too wide): the fix says both ways
+            expect = (f"{bad} is not a version-1 token shard (magic {int.from_bytes(data[:4], 'little', signed=True)}, "
+                      f"version 1; expected 20240520, 1): if it is a shard, delete it")
     elif case == "short_val":
         overrides, expect = {"--val-tokens": 1024 * 1024}, "--val-tokens"
     elif case == "too_many_steps":  # 60,000 train tokens hold about 50 steps of 1,024
@@ -159,6 +162,7 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
     assert tg.main(tiny_args(records, **overrides)) == 2
     err = capsys.readouterr().err
     assert expect in err and err.startswith("error: ") and "Traceback" not in err, err[-2000:]
+    assert case != "bad_magic" or err.rstrip().endswith("if not, make --train-files / --val-files match shards only")
     assert not records.exists() or not any(records.iterdir())
 
 
@@ -167,6 +171,14 @@ def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, t
     result = run_train(tiny_args(tmp_path / "records"), env=env)
     assert result.returncode == 2 and "3 devices: the step's 8 chunks must split evenly" in result.stderr, \
         result.stderr[-2000:]
+
+
+def test_the_eta_prices_the_steps_left_by_their_tokens():
+    """A later stage's step holds more tokens, so it takes longer than the steps timed so far."""
+    tokens_S = np.array([100, 100, 200, 200, 300, 300], np.float64)
+    # 2 steps of 100 tokens in 2,000 ms: 10 ms a token, so 1,000 tokens left = 10 s; a validation 30 s
+    assert tg.eta_note(tokens_S, 2, 2000.0, 1, 30.0) == f"  (ETA {40 / 60:.1f} min)"  # per step: 34 s, 0.6
+    assert tg.eta_note(tokens_S, 6, 9000.0, 0, 0.0) == ""  # nothing left
 
 
 def test_validations_before_the_last_read_the_first_intermediate_val_tokens(tiny_hp):

@@ -37,6 +37,10 @@
 # tokens_per_s, compile_s) of the record logs in rec/ of the packed output.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
+    sed -n '2,/^set -uo/p' "$0" | grep '^#' | cut -c3-
+    exit 0
+fi
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
