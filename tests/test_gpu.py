@@ -429,8 +429,8 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
     """Kernels that write an array of the head's logits beyond the two the fused head needs, as text:
     a kernel (an instruction outside fused computations; each output of a multi-output one) writing
     a (rows, vocab) array, either way round (a loss chunk's rows), that is neither a GEMM's bf16 logits
-    nor the e5m2 gradient, e.g. the softcap's sigmoid or fp32 z kept between the normaliser and
-    gradient passes: a pass over every logit more."""
+    nor the e5m2 gradient (or its bytes, u8: the loss chunks stack it so), e.g. the softcap's sigmoid
+    or fp32 z kept between the normaliser and gradient passes: a pass over every logit more."""
     module = parse_hlo(hlo_text)
     extra = []
     for comp, instrs in module.computations.items():
@@ -443,7 +443,7 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
             target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
             gemm = _fusion_kind(ins) in GEMM_FUSION_KINDS or bool(target and target[1].startswith("__cublas"))
             for t in _array_types(ins.type):
-                if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) == "f8e5m2" \
+                if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) in ("f8e5m2", "u8") \
                         or (gemm and element_type(t) == "bf16"):
                     continue
                 extra.append(f"{ins.name} in {comp}: {ins.op} writes {t.split('{')[0]}")

@@ -196,6 +196,29 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits():
     assert (g8 == want8).mean() > 0.995
 
 
+def test_the_train_head_in_chunks_matches_it_whole(monkeypatch):
+    """The record runs the head in chunks of LOSS_CHUNK rows (12 per GPU), stacking the e5m2 gradient
+    chunk by chunk (as bytes); rows are independent, so the chunks change nothing, bit for bit."""
+    rng = np.random.default_rng()
+    T, D, V = 64, 32, 512
+    x, w = jnp.asarray(rng.normal(size=(T, D)), BF16), jnp.asarray(rng.normal(size=(D, V)) * 0.05, BF16)
+    cols, ws, total = m._loss_targets(jnp.asarray(rng.integers(0, V, T), jnp.int32), jnp.asarray([1.0, 0.5], F32),
+                                      jnp.asarray(rng.integers(-1, V, T), jnp.int32), jnp.float32(0.25), V)
+
+    def run():
+        losses, g8, _, _ = m._train_head_fwd(x, w, cols, ws, total)
+        dx, dw = jax.grad(lambda a, b: m.train_head_loss(a, b, cols, ws, total)[0], argnums=(0, 1))(x, w)
+        assert g8.dtype == m.E5M2
+        return [np.asarray(v.astype(F32)) for v in (losses, g8, dx, dw)]
+
+    whole = run()
+    monkeypatch.setattr(m, "LOSS_CHUNK", 16)
+    assert m._chunks(T, x)[0].shape == (4, 16, D)
+    for got, want in zip(run(), whole):
+        np.testing.assert_array_equal(got, want)
+    assert np.abs(whole[1]).max() > 0 and np.abs(whole[1][-16:]).max() > 0  # the last chunk's rows too
+
+
 def test_eval_head_loss_matches_float64_on_the_same_bf16_logits():
     """Validation's head: the softcap in fp32 on the bf16 logits, cross-entropy per token, the
     log-sum-exp shifted by A; across chunks (T = 3 x 128), logits from far below to near the cap."""
