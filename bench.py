@@ -29,7 +29,7 @@ The suite measures
               train_gpt.py with the most device time (each op's under the innermost two frames of
               its HLO metadata, as tests/gpu/aot.py's static estimate ranks them). Without --suite,
               only this, of that program compiled alone (or, with --compile-cache-dir, loaded from
-              where a train_gpt.py run of the same preset compiled it).
+              where a train_gpt.py run of the same shapes and attention compiled it).
 
 FLOPs. "GFLOP" is useful work counted analytically: 2 per multiply-add of every matmul (attention
 Q, K, V, O on 10 layers, the MLPs on 11, the head, the MUDD networks), x3 for forward+backward;
@@ -729,8 +729,9 @@ def model_mode(hp, args):
 
 
 def profile_mode(hp, args):
-    """The profile alone: the last stage's train program compiled by itself, a warm-up step, then
-    PROFILE_STEPS traced steps and their top device ops and source lines."""
+    """The profile alone: the last stage's train program compiled by itself (or loaded from
+    --compile-cache-dir), a warm-up step, then PROFILE_STEPS traced steps and their top device ops and
+    source lines."""
     mesh = tg.make_mesh()
     state = tg.initial_state(hp, mesh)
     prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), NamedSharding(mesh, P()))
@@ -765,8 +766,9 @@ def parse_args(argv=None):
                         "device ops and source lines: with --suite, as its last section; alone, the quickest look (that "
                         "program compiled by itself, nothing else measured)")
     parser.add_argument("--compile-cache-dir", metavar="DIR", help="with --profile alone: JAX's persistent compile "
-                        "cache there, so that a program train_gpt.py compiled with the same --compile-cache-dir, preset "
-                        "and attention is loaded, not compiled again (default: none; the suite always starts a fresh one)")
+                        "cache there, so that a program train_gpt.py compiled there (same shapes: preset and stage "
+                        "flags; same attention) is loaded, not compiled again (default: none; the suite always "
+                        "starts a fresh one)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
     args = parser.parse_args(argv)
     if args.profile and args.sweep:

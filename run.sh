@@ -11,7 +11,9 @@ cd "$(dirname "$0")"
 
 help=0
 attempt=0  # --runs N: a record attempt, handed to records/attempt.py
-own_data=0  # --train-files or --val-files given: the user's data, so run.sh gets none
+own_train=0  # --train-files and --val-files both given: the user's data, so run.sh gets none
+own_val=0
+check_only=0  # --check: the options checked, nothing else
 script=train_gpt.py  # --script PATH: another training script (a copy, or records/record20/train_gpt.py)
 if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
     previous=""
@@ -20,7 +22,9 @@ if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
         case "$arg" in
             -h|--help) help=1 ;;
             --runs|--runs=*) attempt=1 ;;
-            --train-files|--train-files=*|--val-files|--val-files=*) own_data=1 ;;
+            --train-files|--train-files=*) own_train=1 ;;
+            --val-files|--val-files=*) own_val=1 ;;
+            --check) check_only=1 ;;
         esac
         case "$previous/$arg" in
             --script/*) script="$arg" ;;
@@ -30,7 +34,7 @@ if [ "${1:-}" != "test" ]; then  # ./run.sh test --help is pytest's help
         esac
         previous="$arg"
     done
-    if [ "$previous" = --script ]; then
+    if [ "$previous" = --script ] || [ -z "$script" ]; then
         echo "run.sh: --script needs a path, e.g. --script my_attempt.py" >&2
         exit 2
     fi
@@ -57,8 +61,9 @@ usage: ./run.sh [--script PATH] [train_gpt.py options]
 Set-up: .venv (unless a virtual environment is active) with requirements.txt, plus the CUDA build
 of jax when nvidia-smi lists GPUs. Data: on GPUs, the FineWeb val shard and 8 train shards in
 data/fineweb10B; without GPUs, 1 train shard, or synthetic shards in data/synthetic when FineWeb
-cannot be downloaded; none when --train-files or --val-files names your own. The options are
-checked before any data work. run.sh works in its own folder: relative paths in options start there.
+cannot be downloaded; none when --train-files and --val-files name your own. The options are
+checked before any data work (--check: only that). run.sh works in its own folder: relative paths
+in options start there.
 
 EOF
 fi
@@ -96,12 +101,15 @@ fi
 # them (train_gpt.py and copies of it: --check; the attempt asks its script the same way)
 if [ "$attempt" = 1 ]; then
     python records/attempt.py --check "$@"
-elif grep -q -- '"--check"' "$script"; then
+elif grep -q -- 'add_argument("--check"' "$script"; then
     python "$script" --check "$@"
+fi
+if [ "$check_only" = 1 ]; then
+    exit 0
 fi
 
 data_flags=()
-if [ "$own_data" = 1 ]; then
+if [ "$own_train" = 1 ] && [ "$own_val" = 1 ]; then
     echo "run.sh: --train-files/--val-files given: no data downloaded or generated"
 elif [ "$gpus" -gt 0 ]; then
     # record 89 reads 339M tokens (410M of shards: BOS-aligned batches skip to the next shard); record

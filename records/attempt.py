@@ -99,8 +99,8 @@ def parse_args(argv):
 
 def script_check(script: str, script_args: list) -> int:
     """The script's own check of its options (train_gpt.py --check), where it has one: its exit code."""
-    with open(script) as f:
-        if '"--check"' not in f.read():  # e.g. the record-20 archive: its options are checked when it runs
+    with open(script, errors="replace") as f:
+        if 'add_argument("--check"' not in f.read():  # e.g. the record-20 archive: checked when it runs
             return 0
     return subprocess.run([sys.executable, script, *script_args, "--check"]).returncode
 
@@ -196,8 +196,10 @@ def verdict(args, runs: list, total: int, command: str) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, script_args = parse_args(argv)
+    if code := script_check(args.script, script_args):  # its bad options now, not in run 1
+        return code
     if args.check:
-        return script_check(args.script, script_args)
+        return 0
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(1_000_000)
     command = f"python {shlex.join([shown(__file__), *argv])}" + ("" if args.seed is not None else f" --seed {base}")
     print(f"attempt: {args.runs} run(s) of {shown(args.script)}, seeds {base}..{base + args.runs - 1}"

@@ -292,9 +292,17 @@ def test_run_sh_checks_the_scripts_options_before_any_data_work(tmp_path):
     r = subprocess.run([str(repo / "run.sh"), "--runs", "2", "--help"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "usage: records/attempt.py" in r.stdout  # the attempt's options, not the script's
+    r = subprocess.run([str(repo / "run.sh"), "--check", "--num-scheduled-iterations", "30"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "" and not (repo / "data" / "synthetic").exists()  # that only
+    r = subprocess.run([sys.executable, ATTEMPT, "--runs", "2", "--num-scheduled-iterations", "-1"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)  # the driver alone asks too, before run 1
+    assert r.returncode == 2 and "--num-scheduled-iterations -1 must be" in r.stderr and "run 1" not in r.stdout
 
 
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with GPUs run.sh downloads 8 FineWeb shards")
 def test_run_sh_leaves_the_data_to_whoever_names_it(tmp_path, fake):
+    """Both data flags: no data work. One: run.sh's data as before, the user's flag after (it wins)."""
     repo, env = repo_copy(tmp_path)
     script, templates, records = fake(finished={5: 3.27})
     r = subprocess.run([str(repo / "run.sh"), "--script", script, "--train-files", "mine/train_*.bin", "--val-files",
@@ -305,6 +313,14 @@ def test_run_sh_leaves_the_data_to_whoever_names_it(tmp_path, fake):
     assert "argv: ['--train-files', 'mine/train_*.bin', '--val-files', 'mine/val_*.bin'," in r.stdout
     assert "SYNTHETIC" not in r.stdout and not (repo / "data" / "synthetic").exists()
     assert not (repo / "data" / "fineweb10B").exists()
+    (repo / "data" / "synthetic").mkdir()
+    (repo / "data" / "synthetic" / "synthetic_val_000000.bin").touch()  # a complete set: nothing generated
+    r = subprocess.run([str(repo / "run.sh"), "--script", script, "--val-files", "mine/val_*.bin", "--templates",
+                        templates, "--records-dir", records, "--seed", "5"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "training on SYNTHETIC shards" in r.stdout, r.stderr
+    assert ("argv: ['--train-files', 'data/synthetic/synthetic_train_*.bin', '--val-files', "
+            "'data/synthetic/synthetic_val_*.bin', '--val-files', 'mine/val_*.bin',") in r.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with GPUs run.sh downloads 8 FineWeb shards")

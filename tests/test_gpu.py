@@ -704,6 +704,8 @@ def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found(
         "fusion(%acc, %loop_convert_fusion, %i)", "fusion(%acc, %u1, %i)").replace(
         "  %loop_convert_fusion = bf16[64,96]{1,0} fusion(%u1), kind=kLoop, calls=%sigmoid\n", "")
     assert head_logit_passes(fused, V, 64) == []  # the sigmoid computed inside the gradient's kernel
+    as_bytes = HEAD_HLO.replace("f8e5m2[2,64,96]", "u8[2,64,96]")  # train_gpt stacks the gradient's bytes
+    assert "u8[2,64,96]" in as_bytes and head_logit_passes(as_bytes, V, 64) == head_logit_passes(HEAD_HLO, V, 64)
     as_f32 = HEAD_HLO.replace("%loop_convert_fusion = bf16[64,96]{1,0}", "%loop_convert_fusion = f32[64,96]{1,0}")
     assert head_logit_passes(as_f32, V, 64) == ["loop_convert_fusion in body: fusion writes f32[64,96]"]
     f32_gemm = HEAD_HLO.replace("%gemm_fusion = bf16[64,96]{1,0}", "%gemm_fusion = f32[64,96]{1,0}")

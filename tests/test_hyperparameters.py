@@ -69,6 +69,9 @@ def test_check_answers_for_the_options_alone(tmp_path, capsys):
     missing = str(tmp_path / "none_*.bin")  # shards are the run's to check, not --check's
     assert tg.main(["--check", "--train-files", missing, "--records-dir", records]) == 0
     assert capsys.readouterr() == ("", "") and not (tmp_path / "records").exists()
+    with pytest.raises(SystemExit) as e:  # whole flags only: run.sh and attempt.py look for them so
+        tg.main(["--check", "--train-file", missing])
+    assert e.value.code == 2 and "unrecognized arguments: --train-file" in capsys.readouterr().err
 
 
 def test_stage_flags_change_only_their_field():

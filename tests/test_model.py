@@ -198,7 +198,8 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits():
 
 def test_the_train_head_in_chunks_matches_it_whole(monkeypatch):
     """The record runs the head in chunks of LOSS_CHUNK rows (12 per GPU), stacking the e5m2 gradient
-    chunk by chunk (as bytes); rows are independent, so the chunks change nothing, bit for bit."""
+    chunk by chunk; rows are independent, so the chunks change nothing, bit for bit (the float64 test
+    above checks the values, in one chunk)."""
     rng = np.random.default_rng()
     T, D, V = 64, 32, 512
     x, w = jnp.asarray(rng.normal(size=(T, D)), BF16), jnp.asarray(rng.normal(size=(D, V)) * 0.05, BF16)

@@ -44,12 +44,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
 from bench import parse_sweep, source_of  # noqa: E402
+
+INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
     from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes, parse_hlo  # noqa: E402
 except ImportError as e:
     print(f"tests/gpu/aot.py: {e}; it runs in an environment of its own, with JAX's CUDA plugin and pytest:\n"
-          f'  python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" '
-          f"pytest", file=sys.stderr)
+          f"  {INSTALL}", file=sys.stderr)
     raise SystemExit(2) from None
 
 # An H100 SXM 80GB as XLA's GpuTargetConfig describes a device (the figures CUDA reports for it:
@@ -82,7 +83,6 @@ dnn_version_info {{ major: 9 minor: 10 }}
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 GIB = 2**30
-INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 
 
 def h100_mesh():
