@@ -98,11 +98,12 @@ if [ "${1:-}" = "test" ]; then
     # they free up (each keeps one queued), so that no long test ends alone
 fi
 # bad options exit 2 here, before any data work: the attempt's, and the script's when it can check
-# them (train_gpt.py and copies of it: --check; the attempt asks its script the same way)
+# them (train_gpt.py and copies of it: --check), asked as records/attempt.py asks it
 if [ "$attempt" = 1 ]; then
     python records/attempt.py --check "$@"
-elif grep -q -- 'add_argument("--check"' "$script"; then
-    python "$script" --check "$@"
+else
+    python -c 'import sys; from records.attempt import script_check; sys.exit(script_check(sys.argv[1], sys.argv[2:]))' \
+        "$script" "$@"
 fi
 if [ "$check_only" = 1 ]; then
     exit 0

@@ -2531,8 +2531,10 @@ def parse_args(argv=None):
             hyper.add_argument(flag, dest=field.name, type=field.type, default=None, help=defaults,
                                choices=("xla", "pallas") if field.name == "attention" else None)
     stages = parser.add_argument_group("stage table (defaults: the preset's; four values: stages 0-2 and the extension)")
+
     def table(column):
-        return "; ".join(f"{name}: " + ",".join(str(column(s)) for s in PRESETS[name].stages) for name in ("record", "cpu"))
+        return "; ".join(f"{name}: " + ",".join(str(column(s)) for s in PRESETS[name].stages)
+                         for name in ("record", "cpu"))
 
     stages.add_argument("--stage-batch-sizes", metavar="B0,B1,B2,B3",
                         help=f"tokens per step over the 8 reference ranks ({table(lambda s: s.batch_size)})")
