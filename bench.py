@@ -27,9 +27,12 @@ The suite measures
   profile     with --profile DIR: a jax.profiler trace of a few train steps of the last stage, the
               top 15 device ops by self time (on CPU the XLA:CPU thunks) and the 20 source lines of
               train_gpt.py with the most device time (each op's under the innermost two frames of
-              its HLO metadata, as tests/gpu/aot.py's static estimate ranks them). Without --suite,
-              only this, of that program compiled alone (or, with --compile-cache-dir, loaded from
-              where a train_gpt.py run of the same shapes and attention compiled it).
+              its HLO metadata, as tests/gpu/aot.py's static estimate ranks them; a kernel run
+              inside a command buffer, by its own name: XLA names a kernel after its fusion, and one
+              kernel serving identical fusions counts under the first's line). Without --suite, only
+              this, of that program compiled alone (or, with --compile-cache-dir, loaded from where a
+              train_gpt.py run of the same shapes and attention compiled it); --stage K profiles
+              stage K's program instead of the last one.
 
 FLOPs. "GFLOP" is useful work counted analytically: 2 per multiply-add of every matmul (attention
 Q, K, V, O on 10 layers, the MLPs on 11, the head, the MUDD networks), x3 for forward+backward;
@@ -257,20 +260,24 @@ def time_part(table, name, f, args, n_diff, rng, repeats, *, windows=None, flops
 
 
 def attention_kernel_rows(table, hp, impl, docs_T, windows, rng, repeats):
-    """One attention implementation alone at each window of the stages (one compile, the window a
-    runtime value): 6 heads on the chunk, and the paired layers' 3 heads on the doubled sequence at
-    the short windows."""
+    """One attention implementation alone at each window of the stages: 6 heads on the chunk, and the
+    paired layers' 3 heads on the doubled sequence at the short windows. Pallas: one compile, the
+    window a runtime value; XLA: a compile per window, its loop as long as the window needs (a train
+    program's static count)."""
     T, H, K = len(docs_T), tg.NUM_HEADS, hp.head_dim
     attend = tg.ATTENTION[impl]
     scale = jnp.float32(0.1)
     for heads, length, paired in ((H, T, False), (H // 2, 2 * T, True)):
         q, k, v = (jnp.asarray(rng.standard_normal((length, heads, K)), jnp.bfloat16) for _ in range(3))
         docs = np.repeat(docs_T, 2) if paired else np.asarray(docs_T)
-        time_part(table, f"attention {impl}{' paired' if paired else ''}",
-                  lambda q, k, v, d, w: attend(q, k, v, d, w, scale), (q, k, v, jnp.asarray(docs, jnp.int32)), 3,
-                  rng, repeats, windows=sorted({w for pair in windows for w in (pair[:1] if paired else pair)}),
-                  tokens=T, flops=lambda w, docs=docs, heads=heads: 12 * K * heads * attention_pairs(docs, w),
-                  note=lambda w, docs=docs: f"{attention_pairs(docs, w) / len(docs):.0f} keys/query")
+        ws = sorted({w for pair in windows for w in (pair[:1] if paired else pair)})
+        for group in ([[w] for w in ws] if impl == "xla" else [ws]):
+            bound = (int(tg._num_diagonals(group[0], length // tg.BLOCK)),) if impl == "xla" else ()
+            time_part(table, f"attention {impl}{' paired' if paired else ''}",
+                      lambda q, k, v, d, w, bound=bound: attend(q, k, v, d, w, scale, *bound),
+                      (q, k, v, jnp.asarray(docs, jnp.int32)), 3, rng, repeats, windows=group, tokens=T,
+                      flops=lambda w, docs=docs, heads=heads: 12 * K * heads * attention_pairs(docs, w),
+                      note=lambda w, docs=docs: f"{attention_pairs(docs, w) / len(docs):.0f} keys/query")
 
 
 def block_part_rows(table, hp, params, inputs_T, targets_T, rng, repeats):
@@ -317,7 +324,10 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats, attention):
         scales = tg.fp8_mlp_scales(params, first, hp)
         short, long = (int(w) for w in tg.windows(first, hp))
 
-        def loss_and_grads(p, inputs, targets, a):
+        bounds = tg.max_diagonals(hp, tg.stage_shape(first, hp)) if attention == "xla" else None
+
+        def loss_and_grads(p, inputs, targets, a, bounds=bounds):  # the XLA loops' counts static, as in training
+            a = {**a, "max_diagonals": bounds} if bounds else a
             return jax.value_and_grad(lambda p: tg.sequence_loss(
                 {**buffers, **p}, inputs, targets, a, True, scales, tg.prefix_targets(prefix_V, targets),
                 attention)[0])(p)
@@ -441,6 +451,7 @@ def train_rows(table, hp, mesh, rng, repeats):
 DERIVED_LINES = {"XLA Modules", "Steps", "Framework Ops", "Framework Name Scope", "Source code", "TensorFlow Ops",
                  "TensorFlow Name Scope", "Launch Stats"}
 HLO_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]+)"', re.M)
+HLO_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = ', re.M)
 HLO_OP_FRAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?(stack_frame_id=\d+)', re.M)
 
 
@@ -533,9 +544,14 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
     jax_names = dict(HLO_OP_NAME.findall(hlo_text))
     where = source_of(hlo_text)
     sources = {op: where(frame) for op, frame in HLO_OP_FRAME.findall(hlo_text)}
+    # XLA names a fusion's kernel after it, '.' and '-' made '_'; inside a command buffer the event's
+    # hlo_op is the buffer's, so the kernel's name is what says which fusion ran
+    by_kernel = {re.sub(r"[.-]", "_", name): name for name in HLO_INSTRUCTION.findall(hlo_text)}
     total_us, count, kernel = defaultdict(float), defaultdict(int), {}
     for e, own_us in self_times(device_op_events(events)):
         op = e.get("args", {}).get("hlo_op") or e["name"]
+        if op not in sources:
+            op = by_kernel.get(e["name"], op)
         total_us[op] += own_us
         count[op] += 1
         kernel.setdefault(op, e["name"])
@@ -729,13 +745,13 @@ def model_mode(hp, args):
 
 
 def profile_mode(hp, args):
-    """The profile alone: the last stage's train program compiled by itself (or loaded from
-    --compile-cache-dir), a warm-up step, then PROFILE_STEPS traced steps and their top device ops and
-    source lines."""
+    """The profile alone: the train program of stage --stage (default: the last program's) compiled by
+    itself (or loaded from --compile-cache-dir), a warm-up step, then PROFILE_STEPS traced steps and
+    their top device ops and source lines."""
     mesh = tg.make_mesh()
     state = tg.initial_state(hp, mesh)
     prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), NamedSharding(mesh, P()))
-    first = tg.program_steps(hp)[-1]
+    first = tg.program_steps(hp)[-1] if args.stage is None else tg.stage_bounds(hp)[args.stage][0]
     shape = tg.stage_shape(first, hp)
     programs, _ = tg.lower_steps(hp, mesh, *state, prefix_V)
     t0 = time.perf_counter()
@@ -769,8 +785,12 @@ def parse_args(argv=None):
                         "cache there, so that a program train_gpt.py compiled there (same shapes: preset and stage "
                         "flags; same attention) is loaded, not compiled again (default: none; the suite always "
                         "starts a fresh one)")
+    parser.add_argument("--stage", type=int, metavar="K", help="with --profile alone: the train program of stage K "
+                        "(counted from 0, as train_gpt.py's stage table; default: the last program's, the largest chunk)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
     args = parser.parse_args(argv)
+    if args.stage is not None and not (args.profile and not args.suite):
+        parser.error("--stage goes with --profile alone (the suite measures every stage)")
     if args.profile and args.sweep:
         parser.error("--profile goes with --suite or alone, not with --sweep")
     if args.compile_cache_dir and not (args.profile and not args.suite):
@@ -803,6 +823,8 @@ def main(argv=None) -> int:
                 raise OSError(f"--out {args.out}: cannot write a file there")
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "tiny")
         hp = dataclasses.replace(PRESETS[preset], attention=args.attention)
+        if args.stage is not None and not 0 <= args.stage < len(hp.stages):
+            raise ValueError(f"--stage {args.stage}: preset {preset} has stages 0 to {len(hp.stages) - 1}")
         if (args.suite or args.profile) and tg.RANKS % jax.device_count():
             raise ValueError(f"the step's {tg.RANKS} chunks do not split evenly over {jax.device_count()} devices: "
                              f"use 1, 2, 4 or 8")

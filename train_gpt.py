@@ -519,6 +519,10 @@ def rotary(x_TxHxK, freq_K, positions_T, paired: bool):
 # with online softmax: memory O(T·128), compute O(T·W). W and the softmax scale are runtime values,
 # so one compiled program serves every stage. The backward is written out (custom_vjp, recomputing
 # probabilities from the saved log-sum-exp) because autodiff of the loop would keep every diagonal.
+# A train program passes max_diagonals, the most diagonals its stages' windows need: the loop then
+# has a static trip count, which a GPU runs without a host round trip per diagonal (a runtime count
+# reads each loop test back to the host: 40% of the last stage's step idle on an H200, 2026-11-26);
+# diagonals beyond the window are masked out whole, so the result is the same (bit for bit on CPU).
 
 
 def _blocks(x_TxHxK):
@@ -551,7 +555,17 @@ def _num_diagonals(window, N):
     return jnp.clip(window // BLOCK + 1 + (window % BLOCK > 0), 1, N)
 
 
-def _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
+def _diagonal_loop(window, N, max_diagonals, body, init):
+    """fori_loop over the diagonals the window needs: that many (a runtime count), or max_diagonals (a
+    static one; then a window needing more poisons the result with NaN instead of cutting it short)."""
+    n = _num_diagonals(window, N)
+    if max_diagonals is None:
+        return jax.lax.fori_loop(0, n, body, init)
+    out = jax.lax.fori_loop(0, min(max_diagonals, N), body, init)
+    return jax.tree.map(lambda x: jnp.where(n > max_diagonals, jnp.nan, x), out)
+
+
+def _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, max_diagonals=None):
     q, k, v = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK)
     N, H, B, K = q.shape
     docs_NxB = docs_T.reshape(N, B)
@@ -566,23 +580,23 @@ def _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
         return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
     init = (jnp.full((N, H, B), -jnp.inf, F32), jnp.zeros((N, H, B), F32), jnp.zeros((N, H, B, K), F32))
-    m, l, acc = jax.lax.fori_loop(0, _num_diagonals(window, N), diagonal, init)
+    m, l, acc = _diagonal_loop(window, N, max_diagonals, diagonal, init)
     return _unblocks(acc / l[..., None]).astype(q_TxHxK.dtype), m + jnp.log(l)
 
 
-@jax.custom_vjp
-def window_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def window_attention(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, max_diagonals=None):
     """softmax(scale·q·kᵀ)·v over keys of the same document at most `window` tokens back; bf16 q, k, v,
-    fp32 softmax, T a multiple of 128."""
-    return _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale)[0]
+    fp32 softmax, T a multiple of 128. max_diagonals (static): see _diagonal_loop."""
+    return _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, max_diagonals)[0]
 
 
-def _window_attention_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
-    out, lse = _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale)
+def _window_attention_fwd(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, max_diagonals=None):
+    out, lse = _attention_with_lse(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, max_diagonals)
     return out, (q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, out, lse)
 
 
-def _window_attention_bwd(res, dout_TxHxK):
+def _window_attention_bwd(max_diagonals, res, dout_TxHxK):
     q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, out_TxHxK, lse = res
     q, k, v, dout = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK), _blocks(dout_TxHxK)
     N, H, B, K = q.shape
@@ -603,7 +617,7 @@ def _window_attention_bwd(res, dout_TxHxK):
         return dq, dk + jnp.roll(dk_d, -d, axis=0), dv + jnp.roll(dv_d, -d, axis=0)
 
     zeros = jnp.zeros((N, H, B, K), F32)
-    dq, dk, dv = jax.lax.fori_loop(0, _num_diagonals(window, N), diagonal, (zeros, zeros, zeros))
+    dq, dk, dv = _diagonal_loop(window, N, max_diagonals, diagonal, (zeros, zeros, zeros))
     grads = [_unblocks(g).astype(q_TxHxK.dtype) for g in (dq, dk, dv)]
     return (*grads, None, None, jnp.zeros_like(scale))
 
@@ -633,8 +647,9 @@ def dc_correction(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
 def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_TxHxK=None, xsa_alpha_TxH=None,
               gate_TxH=None, dc_w=None, attend=None):
     """One attention sublayer of the reference's CausalSelfAttention on the normed input x.
-    `a` holds the runtime schedule values: windows, rotary frequencies, softmax scale, docs, positions;
-    `attend` is window_attention (XLA) or its fused Pallas twin."""
+    `a` holds the runtime schedule values: windows, rotary frequencies, softmax scale, docs, positions
+    (and in the XLA path's train programs the static max_diagonals: short, long); `attend` is
+    window_attention (XLA) or its fused Pallas twin."""
     T, D = x_TxD.shape
     H, K = NUM_HEADS, D // NUM_HEADS
     paired = layer in PAIRED_LAYERS
@@ -643,6 +658,7 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
     q, k = rms_norm(q), rms_norm(k)
     q, k = rotary(q, a["freq"], a["positions"], paired), rotary(k, a["freq"], a["positions"], paired)
     window = a["window_long"] if layer in LONG_WINDOW_LAYERS else a["window_short"]
+    bound = (a["max_diagonals"][layer in LONG_WINDOW_LAYERS],) if "max_diagonals" in a else ()
     if layer in LONG_WINDOW_LAYERS:  # key offset: the non-rotating half of each key comes from the previous token
         k = k.at[1:, :, K // 2:].set(k[:-1, :, K // 2:])
     if aux_v_TxHxK is not None:
@@ -650,9 +666,9 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
     if paired:  # heads 0-2 at even, 3-5 at odd positions of a doubled sequence: adjacent heads see each other
         S = 2 * T
         y = attend(q.reshape(S, H // 2, K), k.reshape(S, H // 2, K), v.reshape(S, H // 2, K),
-                   jnp.repeat(a["docs"], 2), window, a["scale"]).reshape(T, H, K)
+                   jnp.repeat(a["docs"], 2), window, a["scale"], *bound).reshape(T, H, K)
     else:
-        y = attend(q, k, v, a["docs"], window, a["scale"])
+        y = attend(q, k, v, a["docs"], window, a["scale"], *bound)
     if dc_w is not None:
         w1 = rms_norm(f32(dc_w[0]), eps=1e-6).astype(BF16)  # normalised over the 6 heads
         y = (f32(y) + dc_correction(q, k, v, a["docs"], w1, dc_w[1], a["scale"])).astype(BF16)
@@ -1940,8 +1956,13 @@ def next_act_scales(act_12, amax_11):
     return act_12.at[:NUM_LAYERS].set(new)
 
 
-def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla"):
-    """This device's chunks one at a time: summed gradients (fp32) and losses, new activation scales."""
+def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla",
+                max_diagonals=None):
+    """This device's chunks one at a time: summed gradients (fp32) and losses, new activation scales.
+    max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
+    if max_diagonals is not None:
+        a = {**a, "max_diagonals": max_diagonals}
+
     def chunk(total, xs):
         x_T, y_T, act_12 = xs
 
@@ -1962,14 +1983,17 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
 
 def make_train_step(hp: Hyperparameters, mesh):
     """train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V)
-    -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape."""
+    -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape. The
+    XLA attention's loops run max_diagonals(hp, shape): the widest windows of hp's stages of that shape
+    (`a` from another stage table with wider windows gives NaN, not a cut window)."""
     replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     specs = dict(mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp"), P("dp"), P(), P(), P()),
                  out_specs=(P(), P(), P("dp")), check_vma=False)
 
     def train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V):
         w_scales = down_weight_scales(params["mlp_bank"], bootstrap, fp8["next_w"])
-        g, loss, act = jax.shard_map(partial(device_step, attention=hp.attention), **specs)(
+        bounds = max_diagonals(hp, (inputs_8xT.shape[1], a["mtp"].shape[0])) if hp.attention == "xla" else None
+        g, loss, act = jax.shard_map(partial(device_step, attention=hp.attention, max_diagonals=bounds), **specs)(
             params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales, prefix_V)
         grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
         next_w = next_down_weight_scales(params["mlp_bank"])
@@ -2076,6 +2100,17 @@ def summary_line(s: dict) -> str:
     return (f"summary final_val_loss:{s['final_val_loss']:.4f} train_time:{s['train_time_ms']:.0f}ms "
             f"step_avg:{s['step_avg_ms']:.2f}ms tokens_per_s:{s['tokens_per_s']:.0f} compile_s:{s['compile_s']:.1f} "
             f"peak_memory:{peak}")
+
+
+ON_DEVICES = "on the devices when it failed: "  # run_steps' note on a device error
+
+
+def stopped_line(e: Exception) -> str:
+    """The log's last line for an error: its first line, and where run_steps says it happened (not the
+    notes JAX adds of its own, which span lines)."""
+    notes = [n for n in getattr(e, "__notes__", []) if n.startswith(ON_DEVICES)]
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"stopped: {type(e).__name__}: {first}" + "".join(f" ({n})" for n in notes)
 
 
 def new_log_path(records_dir: str) -> str:
@@ -2235,10 +2270,20 @@ def initial_state(hp: Hyperparameters, mesh, init_path: str = None):
     return params, buffers, opt_state, fp8
 
 
-def stage_shape(step: int, hp: Hyperparameters) -> tuple:
+def program_shape(s: Stage) -> tuple:
     """What makes a stage's train program differ: chunk length and the number of MTP weights."""
-    s = hp.stages[stage_of(step, hp)[0]]
     return s.batch_size // RANKS, len(s.mtp_start)
+
+
+def stage_shape(step: int, hp: Hyperparameters) -> tuple:
+    return program_shape(hp.stages[stage_of(step, hp)[0]])
+
+
+def max_diagonals(hp: Hyperparameters, shape: tuple):
+    """(short, long): the most key-block diagonals the windows of the stages of this program shape need
+    (window W blocks: W + 1), or None for a shape of no stage (the XLA attention then counts at runtime)."""
+    windows = [s.windows for s in hp.stages if program_shape(s) == shape]
+    return tuple(max(w[i] for w in windows) + 1 for i in (0, 1)) if windows else None
 
 
 def program_steps(hp: Hyperparameters) -> list:
@@ -2300,10 +2345,12 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
     tokens_S = np.array([hp.stages[stage_of(s, hp)[0]].batch_size for s in range(N)], np.float64)
     # Step s's loss is read only once step s + 1 is dispatched, so the devices never wait for the host.
     clock, pending, val_s, step = TrainClock(), None, 0.0, 0
+    on_device = []  # what was dispatched and not yet read back: step indices, or "validation"
 
     def finish(dispatched):
         finished, loss = dispatched
         loss = local_value(loss)  # waits for that step
+        on_device.remove(finished)
         ms = clock.ms()
         if not math.isfinite(loss):
             raise FloatingPointError(
@@ -2312,12 +2359,14 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
         left = [v for v in validations if v > finished]
         say(train_line(finished + 1, N, ms), eta_note(tokens_S, finished + 1, ms, len(left), val_s))
 
+    firsts = program_steps(hp)
     try:
         for step in range(N + 1):
             if step in validations:
                 if pending:
                     finish(pending)
                     pending = None
+                on_device.append("validation")
                 clock.pause()
                 some = val_batches if step == N else val_batches[:val_steps_before_last]
                 if step == validations[0] or step == N and len(some) > val_steps_before_last:
@@ -2326,6 +2375,7 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
                 a = {k: v for k, v in schedule_values(step, hp, final_val=step == N).items() if k in VAL_KEYS}
                 losses = [val_step(params, buffers, x, y, a) for x, y in some]  # all dispatched, then read
                 val_loss = float(np.mean([local_value(v) for v in losses]))
+                on_device.remove("validation")
                 val_s = time.perf_counter() - t
                 say(val_line(step, N, val_loss, clock.ms()))
                 if not math.isfinite(val_loss):
@@ -2336,6 +2386,7 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
             x, y = next(batches)
             a, sv, bootstrap = step_inputs(step, hp)
             clock.run()
+            on_device.append(step)
             params, opt_state, fp8, loss = programs[stage_shape(step, hp)](params, buffers, opt_state, fp8, x, y, a,
                                                                            sv, bootstrap, prefix_V)
             if pending:
@@ -2343,6 +2394,14 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
             pending = (step, loss)
     except Interrupted as e:
         e.step = step
+        raise
+    except (FloatingPointError, DataError):  # (their messages say where)
+        raise
+    except Exception as e:  # a device error surfaces at the next wait, maybe from a later step: name those running
+        running = [f"the validation at step {step}" if s == "validation" else
+                   f"step {s + 1} (stage {stage_of(s, hp)[0]}{', its program run for the first time' * (s in firsts)})"
+                   for s in on_device]
+        e.add_note(ON_DEVICES + (" and ".join(running) or "nothing"))
         raise
 
 
@@ -2427,7 +2486,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         say(f"stopped: {e}")
         raise
     except Exception as e:  # a bug or a device error: the log says so, the traceback goes on
-        say(f"stopped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        say(stopped_line(e))
         raise
     finally:
         for s in previous:  # a second Ctrl-C must not cut the clean-up short

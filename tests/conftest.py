@@ -70,6 +70,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
+def pytest_runtest_logreport(report):
+    """With FAILURES_AT_ONCE=1, a failure's reason as soon as it fails, not only in the summary at the
+    end, which a time limit can cut off (tests/gpu/session.sh's lane)."""
+    if report.failed and os.environ.get("FAILURES_AT_ONCE") == "1":
+        sys.stdout.write(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-6000:]}\n")
+        sys.stdout.flush()
+
+
 def pytest_unconfigure(config):
     if OWNER:
         shutil.rmtree(SHARED, ignore_errors=True)

@@ -171,6 +171,28 @@ def test_device_time_is_summed_by_source_line(tmp_path):
     assert "mlp:12 < loss:30" in "\n".join(bench.profile_lines({**profile, "trace": str(path)}))
 
 
+def test_kernels_inside_a_command_buffer_count_under_their_fusions(tmp_path):
+    """In a command buffer every event's hlo_op is the buffer's: the kernel's name (its fusion's, with
+    '_' for '.' and '-') finds the fusion, its jax op and its line; a kernel of no fusion (a memcpy)
+    stays under the buffer."""
+    hlo = ('  %loop-fusion.7 = f32[2]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(f)/mul" stack_frame_id=3}\n'
+           '  %input_reduce_fusion.56 = f32[2]{0} fusion(%p), kind=kInput, metadata={op_name="jit(f)/dot_general" '
+           'stack_frame_id=2}\n  %command_buffer.3 = (f32[2]{0}) call(%p), to_apply=%cb\n' + FRAMES)
+    events = [meta(2, process="/device:GPU:0"), meta(2, 1, thread="XLA Ops"),
+              op(2, 1, "input_reduce_fusion_56", 0, 60, hlo_op="command_buffer_3"),
+              op(2, 1, "loop_fusion_7", 70, 20, hlo_op="command_buffer_3"),
+              op(2, 1, "memcpy128", 100, 5, hlo_op="command_buffer_3"),
+              op(2, 1, "input_reduce_fusion_56", 110, 40, hlo_op="command_buffer_3")]
+    path = tmp_path / "gpu.trace.json.gz"
+    write_trace(path, events)
+    profile = bench.top_device_ops(str(path), steps=1, step_ms=0.2, hlo_text=hlo)
+    assert [(r["op"], r["jax_op"], r["count"]) for r in profile["top_ops"]] == [
+        ("input_reduce_fusion.56", "jit(f)/dot_general", 2), ("loop-fusion.7", "jit(f)/mul", 1),
+        ("command_buffer_3", None, 1)]
+    assert [(r["source"], r["ms"]) for r in profile["top_sources"]] == [
+        ("mlp:12 < loss:30", pytest.approx(0.1)), ("norm:7 < loss:30", pytest.approx(0.02)), ("?", pytest.approx(0.005))]
+
+
 def test_a_missing_trace_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="trace.json.gz"):
         bench.latest_trace(str(tmp_path))
@@ -200,6 +222,12 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
         assert e.value.code == 2 and "--compile-cache-dir goes with --profile alone" in capsys.readouterr().err
     assert bench.main(["--out", str(tmp_path)]) == 2  # a folder: refused before any benchmark runs
     assert "cannot write" in capsys.readouterr().err
+    for flags in (["--suite", "--profile", "somewhere"], []):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args([*flags, "--stage", "1"])
+        assert e.value.code == 2 and "--stage goes with --profile alone" in capsys.readouterr().err
+    assert bench.main(["--preset", "smoke", "--profile", str(tmp_path / "t"), "--stage", "4"]) == 2
+    assert "--stage 4: preset smoke has stages 0 to 3" in capsys.readouterr().err
 
 
 def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
@@ -226,13 +254,15 @@ ROW_FIELDS = {"ms", "tokens_per_s", "gflop", "tflops", "mfu", "mfu_nominal", "xl
               "note"}
 
 
-def test_the_profile_alone_loads_the_last_stages_program_and_ranks_its_ops_and_lines(tiny_attempt, tmp_path):
+def test_the_profile_alone_loads_a_stages_program_and_ranks_its_ops_and_lines(tiny_attempt, tmp_path):
     """At --preset smoke the program is the tests' tiny run's: the shared attempt's train_gpt.py compiled
     it into the test run's compile cache (conftest), so this bench.py loads it from there instead of
-    compiling it (a minute of CPU), as a GPU session's profile loads its short run's (tests/gpu/session.sh)."""
+    compiling it (a minute of CPU), as a GPU session's profile loads its short run's (tests/gpu/session.sh).
+    One program serves every stage there: --stage 2 asks for it with stage 2's inputs."""
     out = tmp_path / "profile.txt"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--preset", "smoke", "--profile",
-                           str(tmp_path / "trace"), "--compile-cache-dir", COMPILE_CACHE, "--out", str(out)],
+                           str(tmp_path / "trace"), "--stage", "2", "--compile-cache-dir", COMPILE_CACHE,
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = proc.stdout
@@ -240,9 +270,9 @@ def test_the_profile_alone_loads_the_last_stages_program_and_ranks_its_ops_and_l
     table, line = printed.rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     assert tg.program_steps(bench.PRESETS["smoke"]) == [0]  # one program serves every stage: stage 0's
-    assert table.startswith("profile: preset smoke, stage 0's train program (chunks of 128, 1 MTP weights, attention "
+    assert table.startswith("profile: preset smoke, stage 2's train program (chunks of 128, 1 MTP weights, attention "
                             "xla) loaded from the persistent compile cache in ")  # smoke = conftest's TINY_FLAGS
-    assert result["loaded_from_cache"] and result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (0, 128)
+    assert result["loaded_from_cache"] and result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (2, 128)
     profile = result["profile"]
     assert profile["steps"] == bench.PROFILE_STEPS and profile["trace"].startswith(str(tmp_path / "trace"))
     assert 0 < len(profile["top_ops"]) <= bench.TOP_OPS and 0 < len(profile["top_sources"]) <= bench.TOP_SOURCES

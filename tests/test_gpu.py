@@ -923,39 +923,116 @@ def test_session_script_keeps_each_pieces_output_and_refuses_unknown_pieces(tmp_
     r = subprocess.run([script, "lane"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr  # without a GPU the lane's cases skip
     summary = (out / "session.txt").read_text()
-    assert "== lane" in summary and "== lane: exit 0" in summary
+    assert "== lane: exit 0" in summary and "== lane-train: exit 0" in summary
     assert {name: (out / name).read_text() for name in theirs} == theirs
     packs = [p for p in out.glob("pieces_*.tar.gz") if p.name not in theirs]  # this call's, one new file
     assert len(packs) == 1 and packs[0].name in summary
     assert sorted(p.name for p in out.iterdir()) == sorted(["lane.log", "sweep.txt", "rec", "session.txt",
                                                              "pieces_19700101_000000.tar.gz", packs[0].name])
     with tarfile.open(packs[0]) as tar:
-        assert [n for n in tar.getnames() if n != "."] == ["./lane.log"]
-        assert "skipped" in tar.extractfile("./lane.log").read().decode()
+        assert sorted(n for n in tar.getnames() if n != ".") == ["./lane-train.log", "./lane.log"]
+        lane, train = (tar.extractfile(f"./{name}.log").read().decode() for name in ("lane", "lane-train"))
+    assert "every_stage" not in lane and "SKIPPED" in lane and "test_train_through_every_stage" in train
 
     # under 45 s of the budget left (after the 25 s kept back): the piece is skipped, and said so
     r = subprocess.run([script, "lane"], capture_output=True, text=True, env={**env, "BUDGET_S": "60"}, timeout=60)
     assert r.returncode == 1 and re.search(r"== lane: skipped, 3[45]s of BUDGET_S=60 left", r.stdout), r.stdout
+    assert "== lane-train: skipped" in r.stdout
     for bad_env, bad_args, says in (({"BUDGET_S": "9m"}, ["lane"], "BUDGET_S=9m: give whole seconds"),
                                     ({}, ["lane short-xla"], "unknown piece 'lane short-xla'")):
         r = subprocess.run([script, *bad_args], capture_output=True, text=True, env={**env, **bad_env}, timeout=60)
         assert r.returncode == 2 and says in r.stderr, r.stderr
 
     # short-IMPL compiles into an empty cache of this call's for IMPL, from which profile-IMPL loads its
-    # program; the caches go at the end. (A stand-in python3 writes down what it was asked to run.)
-    calls, stand_in = tmp_path / "calls.txt", tmp_path / "python3"
-    stand_in.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    # program; the caches go at the end. crash-IMPL compiles cold (into IMPL's cache while it is empty,
+    # else a fresh one), XLA dumping its programs and the driver writing a core dump where fault.py
+    # looks. (A stand-in python3 writes down its arguments and environment, and a file into the cache.)
+    calls, stand_in = tmp_path / "calls.jsonl", tmp_path / "python3"
+    stand_in.write_text(f"""#!{sys.executable}
+import json, os, sys
+with open({str(calls)!r}, "a") as f:
+    f.write(json.dumps([sys.argv[1:], dict(os.environ)]) + "\\n")
+if sys.argv[1] == "train_gpt.py":
+    cache = sys.argv[sys.argv.index("--compile-cache-dir") + 1]
+    os.makedirs(cache, exist_ok=True)
+    open(os.path.join(cache, "program"), "w").close()
+""")
     stand_in.chmod(0o755)
-    r = subprocess.run([script, "short-xla", "profile-xla", "short-pallas", "profile-pallas"], capture_output=True,
-                       text=True, env={**env, "PYTHON": str(stand_in)}, timeout=60)
+    r = subprocess.run([script, "short-xla", "profile-xla", "crash-pallas", "profile-pallas", "crash-xla"],
+                       capture_output=True, text=True, env={**env, "PYTHON": str(stand_in), "XLA_FLAGS": "--mine"},
+                       timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    argv = [line.split() for line in calls.read_text().splitlines()]
-    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "bench.py", "train_gpt.py", "bench.py"]
-    cache = {(a[0], a[a.index("--attention") + 1]): a[a.index("--compile-cache-dir") + 1] for a in argv[1:]}
-    assert cache["train_gpt.py", "xla"] == cache["bench.py", "xla"] != cache["train_gpt.py", "pallas"] == cache[
-        "bench.py", "pallas"]
-    assert os.path.dirname(cache["bench.py", "xla"]) == os.path.dirname(cache["bench.py", "pallas"])
-    assert not os.path.exists(os.path.dirname(cache["bench.py", "xla"]))  # removed at the end
+    argv, envs = zip(*(json.loads(line) for line in calls.read_text().splitlines()))
+    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "bench.py", "train_gpt.py",
+                                    "tests/gpu/fault.py", "bench.py", "train_gpt.py", "tests/gpu/fault.py"]
+    assert argv[1][argv[1].index("--train-files") + 1].endswith("/synthetic_train_*.bin")  # the pattern, unexpanded
+    cache = [a[a.index("--compile-cache-dir") + 1] for a in argv if "--compile-cache-dir" in a]
+    short_xla, profile_xla, crash_pallas, profile_pallas, crash_xla = cache
+    assert short_xla == profile_xla != crash_pallas == profile_pallas
+    assert crash_xla not in (short_xla, crash_pallas)  # xla's cache held short-xla's program: a fresh one
+    assert {os.path.dirname(c) for c in cache} == {os.path.dirname(short_xla)}
+    assert not os.path.exists(os.path.dirname(short_xla))  # removed at the end
+    crash, crash_env, (dump,) = argv[6], envs[6], argv[7][1:]
+    assert [a for a in crash if a not in cache] == [a for a in argv[1] if a not in cache]  # the short run
+    assert "CUDA_COREDUMP_FILE" not in envs[1] and "--xla_dump_to" not in envs[1]["XLA_FLAGS"]
+    assert crash_env["CUDA_ENABLE_COREDUMP_ON_EXCEPTION"] == "1"
+    assert crash_env["CUDA_COREDUMP_FILE"] == f"{dump}/core.%p"
+    assert crash_env["CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION"] == "0"  # no host core of the process's tens of GB
+    assert crash_env["XLA_FLAGS"] == f"--mine --xla_dump_to={dump}/xla --xla_dump_hlo_as_text"
+
+
+# A program as XLA dumps it after optimization (--xla_dump_hlo_as_text), cut down: a fusion whose kernel
+# input_reduce_fusion_56 is named after it, the computation it calls, and the entry's parameters.
+DUMPED_PROGRAM = """HloModule jit_train_step, entry_computation_layout={(s32[8,32768]{1,0})->f32[]}
+
+%fused_reduce.57 (param_0.1: f32[32768,768], param_1.2: bf16[32768,768]) -> f32[32768] {
+  %param_0.1 = f32[32768,768]{1,0} parameter(0)
+  %param_1.2 = bf16[32768,768]{1,0} parameter(1)
+  ROOT %reduce_sum.3 = f32[32768]{0} reduce(%mul.4, %constant_5), dimensions={1}, to_apply=%region_4.12
+}
+
+ENTRY %main.498 (inputs.1: s32[8,32768]) -> f32[] {
+  %input_reduce_fusion.56 = f32[32768]{0} fusion(%gte.1, %gemm.2), kind=kInput, calls=%fused_reduce.57, \
+metadata={op_name="jit(train_step)/while/body/reduce_sum" stack_frame_id=313}
+  ROOT %loop_fusion.6 = f32[] fusion(%input_reduce_fusion.56), kind=kLoop, calls=%fused_computation.6
+}
+"""
+GDB_SAYS = """Opening GPU coredump: CORE
+CUDA Exception: Warp Illegal Instruction
+The exception was triggered at PC 0x7f36c09b68b0
+[Current focus set to CUDA kernel 0, grid 1532, block (8,0,0), thread (32,0,0), device 0, sm 0, warp 2, lane 0]
+#0  0x00007f36c09b6970 in input_reduce_fusion_56<<<(16384,1,1),(128,1,1)>>> ()
+#0  0x00007f36c09b6970 in sm90_xmma_gemm_e4m3bf16<<<(132,1,1),(384,1,1)>>> ()
+"""
+
+
+def test_the_fault_report_names_the_kernel_and_the_fusion_xla_compiled_into_it(tmp_path):
+    """tests/gpu/fault.py with a stand-in cuda-gdb: the kernel its reading of the core dump names, that
+    kernel's instruction in the dumped program (the fusion's '.' a '_' in the kernel's name), the
+    computation it calls and the program's parameters; a library kernel found in no program is said so."""
+    fault = os.path.join(ROOT, "tests", "gpu", "fault.py")
+    r = subprocess.run([sys.executable, fault, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "no CUDA core dump in" in r.stdout, r.stdout + r.stderr
+    (tmp_path / "xla").mkdir()
+    (tmp_path / "xla" / "module_0042.jit_train_step.sm_9.0_gpu_after_optimizations.txt").write_text(DUMPED_PROGRAM)
+    (tmp_path / "core.123").write_text("")
+    if not os.path.exists("/usr/local/cuda/bin/cuda-gdb"):  # no cuda-gdb at all: said, exit 1
+        r = subprocess.run([sys.executable, fault, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PATH": "/usr/bin:/bin"})
+        assert r.returncode == 1 and "cuda-gdb could not read" in r.stdout, r.stdout + r.stderr
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cuda-gdb").write_text(f"#!/bin/sh\ncat <<'EOF'\n{GDB_SAYS}EOF\n")
+    (bin_dir / "cuda-gdb").chmod(0o755)
+    r = subprocess.run([sys.executable, fault, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Warp Illegal Instruction" in r.stdout and "1 optimized programs dumped" in r.stdout
+    found = r.stdout.split("-- input_reduce_fusion_56 in module_0042.jit_train_step")[1]
+    assert "program: ENTRY %main.498 (inputs.1: s32[8,32768])" in found
+    assert "%input_reduce_fusion.56 = f32[32768]{0} fusion(" in found and "stack_frame_id=313" in found
+    assert "ROOT %reduce_sum.3 = f32[32768]{0} reduce(" in found and "%loop_fusion.6" not in found
+    assert "-- sm90_xmma_gemm_e4m3bf16: no instruction of that name in the dumped programs" in r.stdout
 
 
 def cuda_plugin_installed() -> bool:

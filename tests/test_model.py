@@ -65,6 +65,55 @@ def test_window_attention_matches_dense_attention_and_its_gradients(window):
         assert abs(np.linalg.norm(g) / np.linalg.norm(w) - 1) < 0.02
 
 
+def test_a_static_diagonal_bound_gives_the_same_bits_and_nan_when_too_small():
+    """max_diagonals (a train program's static loop count) runs diagonals past the window, masked out
+    whole: output and gradients equal the runtime count's bit for bit, also with a bound past the
+    sequence's 8 blocks; a bound below what the window needs gives NaN, never a shortened window. The
+    loop is a scan (static trip count), not a while."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh inputs; the seed in a failure's message
+    rng = np.random.default_rng(seed)
+    T, H, K = 1024, 2, 16
+    q, k, v, c = (jnp.asarray(rng.normal(size=(T, H, K)), BF16) for _ in range(4))
+    docs = jnp.asarray(np.cumsum(rng.random(T) < 0.003), jnp.int32)
+
+    def run(window, bound):
+        def loss(q, k, v):
+            extra = () if bound is None else (bound,)
+            out = m.window_attention(q, k, v, docs, jnp.int32(window), jnp.float32(0.25), *extra)
+            return jnp.sum(out.astype(F32) * c.astype(F32)), out
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [np.asarray(x, F32) for x in (out, *grads)]
+
+    # window 0: only the diagonal itself (1); 257-383 tokens: 4 diagonals
+    for window, enough, short in ((0, (1, 12), 0), (int(rng.integers(2 * 128 + 1, 3 * 128)), (4, 7), 3)):
+        want = run(window, None)
+        for bound in enough:
+            for got, w in zip(run(window, bound), want):
+                np.testing.assert_array_equal(got, w, err_msg=f"seed {seed}, window {window}, bound {bound}")
+        assert all(np.isnan(x).all() for x in run(window, short)), (seed, window, short)
+    text = str(jax.make_jaxpr(lambda q: m.window_attention(q, k, v, docs, jnp.int32(300), jnp.float32(0.25), 7))(q))
+    assert "scan[" in text and "while[" not in text
+    assert "while[" in str(jax.make_jaxpr(lambda q: m.window_attention(q, k, v, docs, jnp.int32(300),
+                                                                       jnp.float32(0.25)))(q))
+
+
+def test_train_programs_bound_their_diagonals_by_their_stages_windows():
+    """A program's bound covers the widest window of every stage of its shape (record: the last
+    stage's program serves the extension too) and nothing wider; a shape of no stage has none."""
+    hp = m.PRESETS["record"]
+    shapes = {m.program_shape(s): [] for s in hp.stages}
+    for s in hp.stages:
+        shapes[m.program_shape(s)].append(s.windows)
+    assert len(shapes) == 3 and len(shapes[m.program_shape(hp.stages[-1])]) == 2  # stages 2 and 3 share one
+    for shape, windows in shapes.items():
+        short, long = m.max_diagonals(hp, shape)
+        for w_short, w_long in windows:  # window W blocks = W·128 tokens needs W + 1 diagonals
+            assert short >= int(m._num_diagonals(w_short * m.BLOCK, 10**6))
+            assert long >= int(m._num_diagonals(w_long * m.BLOCK, 10**6))
+        assert (short, long) == (max(w for w, _ in windows) + 1, max(w for _, w in windows) + 1)
+    assert m.max_diagonals(hp, (12345, 1)) is None
+
+
 def test_dc_correction_matches_a_per_token_loop():
     rng = np.random.default_rng(1)
     T, H, K = 256, 6, 8

@@ -51,6 +51,12 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_low
     for (_, mtp), lowered in programs.items():
         a = lowered.args_info[0][6]  # train_step(params, buffers, opt_state, fp8, x, y, a, ...): a's weights
         assert a["mtp"].shape == (mtp,)
+    # the XLA attention's loops count a static number of diagonals: no loop of a runtime trip count,
+    # which a GPU would test on the host every iteration (20 of them per chunk in this program)
+    args = (params, buffers, tg.init_optimizer_state(params, hp), tg.fp8_state(w), *[tg.jax.ShapeDtypeStruct(
+        (tg.RANKS, 128), tg.jnp.int32)] * 2, *tg.step_inputs(0, hp), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
+    jaxpr = str(tg.make_train_step(hp, tg.make_mesh()).trace(*args).jaxpr)
+    assert "while[" not in jaxpr and jaxpr.count("scan[") >= 20
 
 
 def test_compile_steps_compiles_every_program_at_once_and_keeps_each_by_its_shape(monkeypatch):
@@ -205,6 +211,44 @@ def test_validations_before_the_last_read_the_first_intermediate_val_tokens(tiny
     for bad in (512, 3 * 1024 // 2, 5 * 1024):  # not a multiple of --val-batch-size, more than --val-tokens
         with pytest.raises(tg.ConfigError, match="--intermediate-val-tokens"):
             tg.dataclasses.replace(hp, intermediate_val_tokens=bad)
+
+
+class Faulted:
+    """A loss whose reading fails, as a device fault surfaces at the next wait."""
+    def addressable_data(self, i):
+        raise RuntimeError("INTERNAL: CUDA error: CUDA_ERROR_ILLEGAL_INSTRUCTION")
+
+
+def test_a_device_error_names_what_was_on_the_devices(tiny_hp):
+    """The fault of step 1's program surfaces when its loss is read, step 2 already dispatched: the error
+    names both, and which ran its program for the first time; one in a validation names it."""
+    assert tg.program_steps(tiny_hp) == [0] and tiny_hp.val_loss_every == 3
+    losses = iter([Faulted()])
+
+    def train_step(params, buffers, opt_state, fp8, x, y, a, sv, bootstrap, prefix_V):
+        return params, opt_state, fp8, next(losses, tg.jnp.asarray(1.0))
+
+    def val_step(params, buffers, x, y, a):
+        return tg.jnp.asarray(2.0)
+
+    def run(val_step):
+        programs = {tg.stage_shape(step, tiny_hp): train_step for step in range(tiny_hp.total_steps)}
+        with pytest.raises(RuntimeError, match="CUDA_ERROR_ILLEGAL_INSTRUCTION") as e:
+            tg.run_steps(tiny_hp, lambda line, note="": None, lambda text: None, programs, val_step,
+                         (None, None, None, None), iter([(None, None)] * tiny_hp.total_steps),
+                         [(None, None)], None)
+        return e.value.__notes__
+
+    assert run(val_step) == ["on the devices when it failed: step 1 (stage 0, its program run for the first "
+                             "time) and step 2 (stage 0)"]
+    reads = iter([tg.jnp.asarray(2.0), Faulted()])  # step 0's validation reads, step 3's fails
+    assert run(lambda *args: next(reads)) == ["on the devices when it failed: the validation at step 3"]
+    # the log's line: one line, with run_steps' note but not the multi-line notes JAX adds to errors
+    e = RuntimeError("INTERNAL: CUDA error\nmore")
+    e.add_note("--------------------\nFor simplicity, JAX has removed its internal frames")
+    e.add_note("on the devices when it failed: step 9 (stage 0)")
+    assert tg.stopped_line(e) == "stopped: RuntimeError: INTERNAL: CUDA error (on the devices when it failed: step 9 " \
+                                 "(stage 0))"
 
 
 def test_non_finite_loss_stops_and_closes_the_log(tiny_args, tiny_hp, run_train, tmp_path):

@@ -7,26 +7,35 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 #
-#   tests/gpu/session.sh short-xla profile-xla lane short-pallas
-#                          # call 1 (timeout_s 580): does the record run, how fast, where the time
-#                          # goes, the GPU lane, the fused attention
-#   BUDGET_S=150 tests/gpu/session.sh short-record20   # call 2 at once, on the warm machine, if time is left
+#   tests/gpu/session.sh short-pallas crash-xla profile-xla profile-pallas
+#                          # call 1 (timeout_s 580): the fused attention's record run, how fast; the
+#                          # kernel the XLA path's run faulted in on 2026-11-26; where each path's time goes
+#   BUDGET_S=240 tests/gpu/session.sh lane      # call 2 at once, on the warm machine: the GPU lane
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
 # Pieces:
-#   lane            python3 -m pytest -q tests/test_gpu.py                                  (limit 420 s)
+#   lane            python3 -m pytest -v tests/test_gpu.py, each case's child process under 240 s
+#                   (GPU_LANE_TIMEOUT), a line per test as it ends and a failure's reason at once
+#                   (FAILURES_AT_ONCE, tests/conftest.py), not only in the summary a limit cuts off; the
+#                   training case (minutes of compile) in a second pytest, lane-train  (limit 300 + 300 s)
 #   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas): the record
 #                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validations at
 #                   steps 0, 10, 20 on the first 2,097,152 tokens (one validation step of the record's
 #                   val program, the smallest its batch allows; the issue's "1M") and at the end on
 #                   the full 10,485,760; it compiles cold, into this call's empty cache for IMPL
 #                   (its log's compile line says "0 of 4 loaded from it")                 (limit 360 s)
+#   crash-IMPL      short-IMPL compiled cold with XLA's dumps of the optimized programs, the driver
+#                   writing a CUDA core dump at a device fault (and ending the process: the log's
+#                   stopped line is short-IMPL's to show); then tests/gpu/fault.py names the
+#                   faulting kernel (cuda-gdb) and prints its HLO instruction. Into IMPL's cache of
+#                   the call while it is empty (profile-IMPL after it loads from there), else into
+#                   a fresh one                                                   (limit 360 s + 120 s)
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
 #   profile-IMPL    python3 bench.py --profile TMP --attention IMPL: the last stage's train program
 #                   alone, its top device ops and source lines, in profile-IMPL.txt; after short-IMPL
-#                   in the same call it loads that program from the cache short-IMPL filled, instead
-#                   of compiling it again (its header says which)                        (limit 300 s)
+#                   (or crash-IMPL) in the same call it loads that program from the cache that piece
+#                   filled, instead of compiling it again (its header says which)        (limit 300 s)
 #   bench           python3 bench.py --suite --profile TMP: the table in bench.txt        (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
 #                   the record's last-stage chunk, a row each, in sweep.txt (default: SWEEP_DEFAULT
@@ -52,7 +61,7 @@ DATA=${GPU_SESSION_DATA:-}
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
-PIECES="lane short-xla short-pallas short-record20 profile-xla profile-pallas bench sweep"
+PIECES="lane short-xla short-pallas crash-xla crash-pallas short-record20 profile-xla profile-pallas bench sweep"
 if ! [[ "$BUDGET_S" =~ ^[0-9]+$ ]]; then
     echo "tests/gpu/session.sh: BUDGET_S=$BUDGET_S: give whole seconds, e.g. BUDGET_S=540" >&2
     exit 2
@@ -97,16 +106,33 @@ shards() {  # the short runs' data, written once
     fi
 }
 
+short() {  # short IMPL CACHE_DIR: SHORT becomes the short run's command
+    SHORT=("$PY" train_gpt.py --preset record --attention "$1"
+           --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin"
+           --num-scheduled-iterations 27 --num-extension-iterations 3 --val-loss-every 10
+           --intermediate-val-tokens 2097152 --records-dir "$RUN/rec" --compile-cache-dir "$2")
+}
+
 for p in "$@"; do
     case "$p" in
-        lane) piece lane 420 "$PY" -m pytest -q tests/test_gpu.py -k "not session_script" ;;  # (that test runs this)
+        lane)  # the training case last: it compiles the record model for minutes (session_script runs this script)
+            lane=(env GPU_LANE_TIMEOUT="${GPU_LANE_TIMEOUT:-240}" FAILURES_AT_ONCE=1 "$PY" -m pytest -v -rfE --tb=short
+                  tests/test_gpu.py)
+            piece lane 300 "${lane[@]}" -k "not session_script and not every_stage"
+            piece lane-train 300 "${lane[@]}" -k every_stage ;;
         short-xla|short-pallas)
             shards
-            piece "$p" 360 "$PY" train_gpt.py --preset record --attention "${p#short-}" \
-                --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
-                --num-scheduled-iterations 27 --num-extension-iterations 3 \
-                --val-loss-every 10 --intermediate-val-tokens 2097152 \
-                --records-dir "$RUN/rec" --compile-cache-dir "$CACHES/${p#short-}" ;;
+            short "${p#short-}" "$CACHES/${p#short-}"
+            piece "$p" 360 "${SHORT[@]}" ;;
+        crash-xla|crash-pallas)  # compiles cold, so that XLA dumps the programs
+            shards
+            dump=$(mktemp -d) cache="$CACHES/${p#crash-}"
+            [ -n "$(ls -A "$cache" 2>/dev/null)" ] && cache=$(mktemp -d "$CACHES/crash.XXXXXX")
+            short "${p#crash-}" "$cache"
+            piece "$p" 360 env CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 CUDA_ENABLE_LIGHTWEIGHT_COREDUMP=1 \
+                CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION=0 CUDA_COREDUMP_FILE="$dump/core.%p" \
+                XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump/xla --xla_dump_hlo_as_text" "${SHORT[@]}"
+            piece "$p-fault" 120 "$PY" tests/gpu/fault.py "$dump" ;;
         short-record20)
             shards
             piece "$p" 360 "$PY" records/record20/train_gpt.py --preset record --num-iterations 30 --val-loss-every 0 \
