@@ -9,7 +9,8 @@ prints cuda-gdb's reading of the dump (the exception and the faulting kernel), t
 named there, the instruction of the optimized HLO that XLA compiled into it (XLA names a fusion's
 kernel after the fusion, '.' and '-' made '_'), with its metadata (the JAX op), the fused computation
 and the program's parameters (their shapes say which stage's program it is). A library kernel (cuBLAS)
-has no instruction of its name: cuda-gdb's output names it. Without a core dump in DIR (no fault) it
+or a Pallas kernel (named after its Python function) has no instruction of its name: cuda-gdb's
+output names it. Without a core dump in DIR (no fault) it
 says so.
 """
 import glob
@@ -54,7 +55,8 @@ def report(kernel: str, dumps: dict, width: int = 600) -> list:
                     f"   program: {entry[0][:width] if entry else '?'}", f"   {line.strip()[:width]}"]
             if calls:
                 out.append(computation(calls[1], text))
-    return out or [f"-- {kernel}: no instruction of that name in the dumped programs (a library kernel?)"]
+    return out or [f"-- {kernel}: no instruction of that name in the dumped programs (a library kernel, "
+                   f"or a Pallas kernel: those are named after their Python function)"]
 
 
 def main(argv) -> int:
