@@ -7,9 +7,10 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 #
-#   tests/gpu/session.sh short-pallas crash-xla profile-xla profile-pallas
-#                          # call 1 (timeout_s 580): the fused attention's record run, how fast; the
-#                          # kernel the XLA path's run faulted in on 2026-11-26; where each path's time goes
+#   tests/gpu/session.sh crash-xla profile-xla short-pallas profile-pallas
+#                          # call 1 (timeout_s 580): the kernel the XLA path's run faulted in on 2026-11-26
+#                          # and its last stage's step with static loops (known lengths first), then the
+#                          # fused attention's record run, how fast, and where each path's time goes
 #   BUDGET_S=240 tests/gpu/session.sh lane      # call 2 at once, on the warm machine: the GPU lane
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
