@@ -327,7 +327,7 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats, attention):
         bounds = tg.max_diagonals(hp, tg.stage_shape(first, hp)) if attention == "xla" else None
 
         def loss_and_grads(p, inputs, targets, a, bounds=bounds):  # the XLA loops' counts static, as in training
-            a = {**a, "max_diagonals": bounds} if bounds else a
+            a = tg.with_max_diagonals(a, bounds)
             return jax.value_and_grad(lambda p: tg.sequence_loss(
                 {**buffers, **p}, inputs, targets, a, True, scales, tg.prefix_targets(prefix_V, targets),
                 attention)[0])(p)
@@ -789,11 +789,12 @@ def parse_args(argv=None):
                         "(counted from 0, as train_gpt.py's stage table; default: the last program's, the largest chunk)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
     args = parser.parse_args(argv)
-    if args.stage is not None and not (args.profile and not args.suite):
+    profile_alone = args.profile and not args.suite
+    if args.stage is not None and not profile_alone:
         parser.error("--stage goes with --profile alone (the suite measures every stage)")
     if args.profile and args.sweep:
         parser.error("--profile goes with --suite or alone, not with --sweep")
-    if args.compile_cache_dir and not (args.profile and not args.suite):
+    if args.compile_cache_dir and not profile_alone:
         parser.error("--compile-cache-dir goes with --profile alone (the suite measures compile in a fresh cache)")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")

@@ -551,8 +551,10 @@ def _scores(d, q, k, scale):
     return jnp.einsum("nhqd,nhkd->nhqk", q, kd, preferred_element_type=F32) * scale
 
 
-def _num_diagonals(window, N):
-    return jnp.clip(window // BLOCK + 1 + (window % BLOCK > 0), 1, N)
+def _num_diagonals(window, N=None):
+    """Key-block diagonals a window of `window` tokens reaches (a traced value or an int), at most N."""
+    n = window // BLOCK + 1 + (window % BLOCK > 0)
+    return n if N is None else jnp.clip(n, 1, N)
 
 
 def _diagonal_loop(window, N, max_diagonals, body, init):
@@ -1960,8 +1962,7 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
                 max_diagonals=None):
     """This device's chunks one at a time: summed gradients (fp32) and losses, new activation scales.
     max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
-    if max_diagonals is not None:
-        a = {**a, "max_diagonals": max_diagonals}
+    a = with_max_diagonals(a, max_diagonals)
 
     def chunk(total, xs):
         x_T, y_T, act_12 = xs
@@ -2280,10 +2281,16 @@ def stage_shape(step: int, hp: Hyperparameters) -> tuple:
 
 
 def max_diagonals(hp: Hyperparameters, shape: tuple):
-    """(short, long): the most key-block diagonals the windows of the stages of this program shape need
-    (window W blocks: W + 1), or None for a shape of no stage (the XLA attention then counts at runtime)."""
+    """(short, long): the most key-block diagonals the windows of the stages of this program shape need,
+    or None for a shape of no stage (the XLA attention then counts at runtime)."""
     windows = [s.windows for s in hp.stages if program_shape(s) == shape]
-    return tuple(max(w[i] for w in windows) + 1 for i in (0, 1)) if windows else None
+    return tuple(max(_num_diagonals(w[i] * BLOCK) for w in windows) for i in (0, 1)) if windows else None
+
+
+def with_max_diagonals(a: dict, max_diagonals) -> dict:
+    """The runtime schedule values `a` with the XLA attention's static loop bounds (attention() reads
+    them), when there are any."""
+    return {**a, "max_diagonals": max_diagonals} if max_diagonals is not None else a
 
 
 def program_steps(hp: Hyperparameters) -> list:
@@ -2359,7 +2366,6 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
         left = [v for v in validations if v > finished]
         say(train_line(finished + 1, N, ms), eta_note(tokens_S, finished + 1, ms, len(left), val_s))
 
-    firsts = program_steps(hp)
     try:
         for step in range(N + 1):
             if step in validations:
@@ -2398,6 +2404,7 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
     except (FloatingPointError, DataError):  # (their messages say where)
         raise
     except Exception as e:  # a device error surfaces at the next wait, maybe from a later step: name those running
+        firsts = program_steps(hp)
         running = [f"the validation at step {step}" if s == "validation" else
                    f"step {s + 1} (stage {stage_of(s, hp)[0]}{', its program run for the first time' * (s in firsts)})"
                    for s in on_device]

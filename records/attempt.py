@@ -224,12 +224,11 @@ def main(argv=None) -> int:
         print(f"attempt: run {run.number} of {args.runs}, seed {run.seed}: "
               f"{shlex.join([shown(args.script), *script_command[2:]])}", flush=True)
         run_once(run, script_command, stop)
-        if run.code != 2:  # (the stop below says what happened)
-            print(tally(runs, args.runs), flush=True)
-        if run.code == 2:
+        if run.code == 2:  # no tally: this says what happened
             print(f"attempt: stopped: run {run.number} exited 2 (bad flags or data, said above); every run would "
                   f"fail the same way: fix it and start the attempt again", file=sys.stderr, flush=True)
             break
+        print(tally(runs, args.runs), flush=True)
         if run.code == 0 and not run.log:
             print(f"attempt: stopped: {args.script} finished run {run.number} without printing a line "
                   f"'record log: PATH', so its log cannot be found: it is probably a copy of train_gpt.py older "
