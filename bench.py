@@ -2,7 +2,7 @@
 
   python bench.py --suite [--profile DIR] [--out PATH]  # the whole picture: one table, then one JSON line
   python bench.py                                       # model forward+backward of one chunk per stage shape
-  python bench.py --attention pallas                    # the same with the fused attention kernels
+  python bench.py --attention xla                       # the same with the pure-JAX attention (auto: pallas on GPUs)
   python bench.py --sweep fwd:128/8/2,dq:64/8/3         # the Pallas kernels' tiles, warps, stages: a row each
   python bench.py --profile DIR                         # the profile alone (below): the quickest look
 
@@ -774,8 +774,9 @@ def parse_args(argv=None):
                       "fwd:128/8/2,fwd:64/8/3,dq:64/8/2,dkv:32/8/3")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
-    parser.add_argument("--attention", default="xla", choices=sorted(tg.ATTENTION),
-                        help="attention implementation of the model, as in train_gpt.py (default xla)")
+    parser.add_argument("--attention", default="auto", choices=["auto", *sorted(tg.ATTENTION)],
+                        help="attention implementation of the model, as in train_gpt.py (default auto: pallas on "
+                        "GPUs, xla elsewhere)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median; default 3)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU (default 989)")
     parser.add_argument("--profile", metavar="DIR", help="trace train steps of the last stage into DIR and list the top "
@@ -823,7 +824,8 @@ def main(argv=None) -> int:
             if os.path.isdir(args.out) or not os.access(folder, os.W_OK):
                 raise OSError(f"--out {args.out}: cannot write a file there")
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "tiny")
-        hp = dataclasses.replace(PRESETS[preset], attention=args.attention)
+        hp = dataclasses.replace(PRESETS[preset], attention=tg.auto_attention() if args.attention == "auto"
+                                 else args.attention)
         if args.stage is not None and not 0 <= args.stage < len(hp.stages):
             raise ValueError(f"--stage {args.stage}: preset {preset} has stages 0 to {len(hp.stages) - 1}")
         if (args.suite or args.profile) and tg.RANKS % jax.device_count():

@@ -74,6 +74,21 @@ def test_check_answers_for_the_options_alone(tmp_path, capsys):
     assert e.value.code == 2 and "unrecognized arguments: --train-file" in capsys.readouterr().err
 
 
+def test_attention_auto_is_pallas_on_gpus_and_xla_elsewhere_and_says_so(monkeypatch, capsys, tmp_path):
+    seen = []
+    monkeypatch.setattr(tg, "train", lambda hp, *rest: seen.append(hp))
+    argv = ["--preset", "cpu", "--compile-cache-dir", "", "--records-dir", str(tmp_path)]
+    for backend, flags, expect in [("cpu", [], "xla"), ("gpu", [], "pallas"), ("gpu", ["--attention", "auto"], "pallas"),
+                                   ("gpu", ["--attention", "xla"], "xla"), ("cpu", ["--attention", "pallas"], "pallas")]:
+        monkeypatch.setattr(tg.jax, "default_backend", lambda: backend)
+        assert tg.main([*argv, *flags]) == 0
+        assert seen[-1].attention == expect, (backend, flags)
+        said = f"attention {expect} (chosen because the JAX backend is {backend}; pass --attention to choose)"
+        assert (said in capsys.readouterr().out) == (flags in ([], ["--attention", "auto"])), (backend, flags)
+    assert tg.parse_args(["--attention", "auto"])[1] == {} and tg.parse_args(["--attention", "xla"])[1] == {
+        "attention": "xla"}
+
+
 def test_stage_flags_change_only_their_field():
     args, overrides = tg.parse_args(["--stage-batch-sizes", "1024,2048,3072,3072", "--stage-max-seq-lens",
                                      "128,256,256,512", "--stage-mtp-terms", "2,1,1,1"])

@@ -7,19 +7,22 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 #
-#   tests/gpu/session.sh crash-xla profile-xla short-pallas profile-pallas
-#                          # call 1 (timeout_s 580): the kernel the XLA path's run faulted in on 2026-11-26
-#                          # and its last stage's step with static loops (known lengths first), then the
-#                          # fused attention's record run, how fast, and where each path's time goes
-#   BUDGET_S=240 tests/gpu/session.sh lane      # call 2 at once, on the warm machine: the GPU lane
+#   OUT=$OUT/a BUDGET_S=340 tests/gpu/session.sh short-pallas profile-pallas; \
+#   XLA_FLAGS=--xla_gpu_cublas_fallback=false OUT=$OUT/b BUDGET_S=200 tests/gpu/session.sh profile-pallas
+#                          # call 1 (timeout_s 580): the fused attention's short run to the end (2026-11-26
+#                          # the budget cut it at step 27) and where its last stage's step goes; then the
+#                          # same step with every GEMM a Triton fusion (autotuning picked cuBLASLt for the
+#                          # head, whose f32 logits then take a pass of their own: the lane's FP8 check)
+#   BUDGET_S=270 tests/gpu/session.sh lane      # call 2 at once (timeout_s 300), on the warm machine
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
 # Pieces:
-#   lane            python3 -m pytest -v tests/test_gpu.py, each case's child process under 240 s
-#                   (GPU_LANE_TIMEOUT), a line per test as it ends and a failure's reason at once
-#                   (FAILURES_AT_ONCE, tests/conftest.py), not only in the summary a limit cuts off; the
-#                   training case (minutes of compile) in a second pytest, lane-train  (limit 300 + 300 s)
+#   lane            python3 -m pytest -v -n 4 tests/test_gpu.py: the cases in 4 processes at once
+#                   (GPU_LANE_WORKERS; 2026-11-26, one at a time, the lane did not fit 245 s), each case's
+#                   child process under 420 s (GPU_LANE_TIMEOUT) and without preallocating the GPU's
+#                   memory, a line per test as it ends and a failure's reason at once (FAILURES_AT_ONCE,
+#                   tests/conftest.py), not only in the summary a limit cuts off          (limit 540 s)
 #   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas): the record
 #                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validations at
 #                   steps 0, 10, 20 on the first 2,097,152 tokens (one validation step of the record's
@@ -116,11 +119,10 @@ short() {  # short IMPL CACHE_DIR: SHORT becomes the short run's command
 
 for p in "$@"; do
     case "$p" in
-        lane)  # the training case last: it compiles the record model for minutes (session_script runs this script)
-            lane=(env GPU_LANE_TIMEOUT="${GPU_LANE_TIMEOUT:-240}" FAILURES_AT_ONCE=1 "$PY" -m pytest -v -rfE --tb=short
-                  tests/test_gpu.py)
-            piece lane 300 "${lane[@]}" -k "not session_script and not every_stage"
-            piece lane-train 300 "${lane[@]}" -k every_stage ;;
+        lane)  # the cases side by side: each compiles on a few cores and barely loads the GPU (session_script
+            # runs this script)
+            piece lane 540 env GPU_LANE_TIMEOUT="${GPU_LANE_TIMEOUT:-420}" FAILURES_AT_ONCE=1 "$PY" -m pytest -v -rfE \
+                --tb=short -n "${GPU_LANE_WORKERS:-4}" tests/test_gpu.py -k "not session_script" ;;
         short-xla|short-pallas)
             shards
             short "${p#short-}" "$CACHES/${p#short-}"
