@@ -753,10 +753,10 @@ def profile_mode(hp, args):
     prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), NamedSharding(mesh, P()))
     first = tg.program_steps(hp)[-1] if args.stage is None else tg.stage_bounds(hp)[args.stage][0]
     shape = tg.stage_shape(first, hp)
-    programs, _ = tg.lower_steps(hp, mesh, *state, prefix_V)
+    lowered = tg.lower_train_step(hp, mesh, first, *state, prefix_V)
     t0 = time.perf_counter()
     with tg.CacheHits() as hits:
-        program = programs[shape].compile()
+        program = lowered.compile()
     compile_s = time.perf_counter() - t0
     _, x, y, step_inputs = stage_batch(np.random.default_rng(0), hp, mesh, first)
     state, _ = run_train_steps(program, state, x, y, step_inputs, prefix_V, 1)  # warm-up

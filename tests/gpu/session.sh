@@ -7,8 +7,8 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 #
-#   OUT=$OUT/a BUDGET_S=340 tests/gpu/session.sh short-pallas profile-pallas; \
-#   XLA_FLAGS=--xla_gpu_cublas_fallback=false OUT=$OUT/b BUDGET_S=200 tests/gpu/session.sh profile-pallas
+#   OUT=$OUT/a BUDGET_S=330 tests/gpu/session.sh short-pallas profile-pallas; \
+#   XLA_FLAGS=--xla_gpu_cublas_fallback=false OUT=$OUT/b BUDGET_S=220 tests/gpu/session.sh profile-pallas
 #                          # call 1 (timeout_s 580): the fused attention's short run to the end (2026-11-26
 #                          # the budget cut it at step 27) and where its last stage's step goes; then the
 #                          # same step with every GEMM a Triton fusion (autotuning picked cuBLASLt for the
