@@ -11,7 +11,7 @@
 #   XLA_FLAGS=--xla_gpu_cublas_fallback=false OUT=$OUT/b BUDGET_S=220 tests/gpu/session.sh profile-pallas
 #                          # call 1 (timeout_s 580): the fused attention's short run to the end (2026-11-26
 #                          # the budget cut it at step 27) and where its last stage's step goes; then the
-#                          # same step with every GEMM a Triton fusion (autotuning picked cuBLASLt for the
+#                          # same step with the GEMM fusions kept on Triton (autotuning picked cuBLASLt for the
 #                          # head, whose f32 logits then take a pass of their own: the lane's FP8 check)
 #   BUDGET_S=270 tests/gpu/session.sh lane      # call 2 at once (timeout_s 300), on the warm machine
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
