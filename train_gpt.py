@@ -2327,7 +2327,7 @@ def lower_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pref
 def lower_train_step(hp: Hyperparameters, mesh, first: int, params, buffers, opt_state, fp8, prefix_V,
                      train_step=None):
     """The train program of step `first`'s stage shape, lowered (bench.py's profile wants one alone)."""
-    train_step = train_step or make_train_step(hp, mesh)
+    train_step = make_train_step(hp, mesh) if train_step is None else train_step
     by_chunk = NamedSharding(mesh, P("dp"))
     batch = jax.ShapeDtypeStruct((RANKS, stage_shape(first, hp)[0]), jnp.int32, sharding=by_chunk)
     a, sv, bootstrap = jax.tree.map(shape_of, step_inputs(first, hp))
@@ -2625,7 +2625,9 @@ def parse_args(argv=None):
         hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
                 "--train-files 'data/fineweb10B/fineweb_train_*.bin')") if unknown[0].endswith(".bin") else ""
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
-    overrides = {f.name: getattr(args, f.name) for f in FLAG_FIELDS if getattr(args, f.name) not in (None, "auto")}
+    overrides = {f.name: getattr(args, f.name) for f in FLAG_FIELDS if getattr(args, f.name) is not None}
+    if overrides.get("attention") == "auto":  # main's to resolve (auto_attention)
+        del overrides["attention"]
     return args, overrides
 
 
@@ -2669,7 +2671,7 @@ FLAG_FIELDS = [f for f in dataclasses.fields(Hyperparameters) if f.name != "stag
 
 def auto_attention() -> str:
     """--attention auto: the fused kernels on GPUs, where they were measured faster at every stage (one H200,
-    2026-11-26: 297 / 569 / 847 ms a step against XLA's 384 / 894 / 1,688), XLA elsewhere (Pallas interprets)."""
+    2026-11-26: 297 / 570 / 847 ms a step against XLA's 384 / 894 / 1,688), XLA elsewhere (Pallas interprets)."""
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
@@ -2682,7 +2684,8 @@ def main(argv=None) -> int:
         else:
             start_distributed(settings)
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
-        overrides.setdefault("attention", auto_attention())
+        if not args.check:  # (the options' verdict does not depend on it)
+            overrides.setdefault("attention", auto_attention())
         hp = with_stage_flags(dataclasses.replace(PRESETS[preset], **overrides), args)
         if args.check:
             return 0

@@ -982,6 +982,15 @@ if sys.argv[1] == "train_gpt.py":
     assert crash_env["CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION"] == "0"  # no host core of the process's tens of GB
     assert crash_env["XLA_FLAGS"] == f"--mine --xla_dump_to={dump}/xla --xla_dump_hlo_as_text"
 
+    # the lane: its cases side by side, each under a limit that ends before the piece's (the budget's)
+    calls.unlink()
+    r = subprocess.run([script, "lane"], capture_output=True, text=True, timeout=60,
+                       env={**env, "PYTHON": str(stand_in), "BUDGET_S": "200", "GPU_LANE_WORKERS": "3"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    ((lane_argv, lane_env),) = (json.loads(line) for line in calls.read_text().splitlines())
+    assert lane_argv[:2] == ["-m", "pytest"] and lane_argv[lane_argv.index("-n") + 1] == "3"
+    assert lane_env["FAILURES_AT_ONCE"] == "1" and 100 <= int(lane_env["GPU_LANE_TIMEOUT"]) <= 200 - 25 - 30
+
 
 # A program as XLA dumps it after optimization (--xla_dump_hlo_as_text), cut down: a fusion whose kernel
 # input_reduce_fusion_56 is named after it, the computation it calls, and the entry's parameters.

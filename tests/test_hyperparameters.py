@@ -87,6 +87,7 @@ def test_attention_auto_is_pallas_on_gpus_and_xla_elsewhere_and_says_so(monkeypa
         assert (said in capsys.readouterr().out) == (flags in ([], ["--attention", "auto"])), (backend, flags)
     assert tg.parse_args(["--attention", "auto"])[1] == {} and tg.parse_args(["--attention", "xla"])[1] == {
         "attention": "xla"}
+    assert tg.parse_args(["--records-dir", "auto"])[1] == {"records_dir": "auto"}  # only --attention's auto is main's
 
 
 def test_stage_flags_change_only_their_field():

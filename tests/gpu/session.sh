@@ -20,9 +20,10 @@
 # Pieces:
 #   lane            python3 -m pytest -v -n 4 tests/test_gpu.py: the cases in 4 processes at once
 #                   (GPU_LANE_WORKERS; 2026-11-26, one at a time, the lane did not fit 245 s), each case's
-#                   child process under 420 s (GPU_LANE_TIMEOUT) and without preallocating the GPU's
-#                   memory, a line per test as it ends and a failure's reason at once (FAILURES_AT_ONCE,
-#                   tests/conftest.py), not only in the summary a limit cuts off          (limit 540 s)
+#                   child process under GPU_LANE_TIMEOUT (default: 420 s, or 30 s less than the piece has)
+#                   and without preallocating the GPU's memory, a line per test as it ends and a failure's
+#                   reason at once (FAILURES_AT_ONCE, tests/conftest.py), not only in the summary a limit
+#                   cuts off                                           (limit 540 s, or what is left)
 #   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas): the record
 #                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validations at
 #                   steps 0, 10, 20 on the first 2,097,152 tokens (one validation step of the record's
@@ -120,9 +121,11 @@ short() {  # short IMPL CACHE_DIR: SHORT becomes the short run's command
 for p in "$@"; do
     case "$p" in
         lane)  # the cases side by side: each compiles on a few cores and barely loads the GPU (session_script
-            # runs this script)
-            piece lane 540 env GPU_LANE_TIMEOUT="${GPU_LANE_TIMEOUT:-420}" FAILURES_AT_ONCE=1 "$PY" -m pytest -v -rfE \
-                --tb=short -n "${GPU_LANE_WORKERS:-4}" tests/test_gpu.py -k "not session_script" ;;
+            # runs this script); a case's own limit ends before the piece's, so that a slow case fails alone
+            case_s=$((BUDGET_S - SECONDS - PACKING_S - 30))
+            [ "$case_s" -gt 420 ] && case_s=420
+            piece lane 540 env GPU_LANE_TIMEOUT="${GPU_LANE_TIMEOUT:-$case_s}" FAILURES_AT_ONCE=1 "$PY" -m pytest -v \
+                -rfE --tb=short -n "${GPU_LANE_WORKERS:-4}" tests/test_gpu.py -k "not session_script" ;;
         short-xla|short-pallas)
             shards
             short "${p#short-}" "$CACHES/${p#short-}"
