@@ -29,10 +29,11 @@ The suite measures
               train_gpt.py with the most device time (each op's under the innermost two frames of
               its HLO metadata, as tests/gpu/aot.py's static estimate ranks them; a kernel run
               inside a command buffer, by its own name: XLA names a kernel after its fusion, and one
-              kernel serving identical fusions counts under the first's line). Without --suite, only
-              this, of that program compiled alone (or, with --compile-cache-dir, loaded from where a
-              train_gpt.py run of the same shapes and attention compiled it); --stage K profiles
-              stage K's program instead of the last one.
+              kernel serving identical fusions counts under the first's line), and the device's idle
+              time between ops by gap length with its 5 longest gaps and their neighbours. Without
+              --suite, only this, of that program compiled alone (or, with --compile-cache-dir, loaded
+              from where a train_gpt.py run of the same shapes and attention compiled it); --stage K
+              profiles stage K's program instead of the last one.
 
 FLOPs. "GFLOP" is useful work counted analytically: 2 per multiply-add of every matmul (attention
 Q, K, V, O on 10 layers, the MLPs on 11, the head, the MUDD networks), x3 for forward+backward;
@@ -48,6 +49,7 @@ import dataclasses
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -80,6 +82,8 @@ PRESETS = {**tg.PRESETS, "tiny": small(8192, 512, 512), "smoke": small(2048, 128
 PROFILE_STEPS = 3
 TOP_OPS = 15
 TOP_SOURCES = 20  # source lines of train_gpt.py with the most device time
+TOP_GAPS = 5  # the longest idle intervals of the device, with the ops around them
+GAP_SIZES = [("under 10 us", 0, 10), ("10-100 us", 10, 100), ("0.1-1 ms", 100, 1000), ("1 ms or more", 1000, math.inf)]
 BOS_RATE = 1 / 1000  # documents of ~1,000 tokens, like FineWeb's
 
 
@@ -547,11 +551,14 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
     # XLA names a fusion's kernel after it, '.' and '-' made '_'; inside a command buffer the event's
     # hlo_op is the buffer's, so the kernel's name is what says which fusion ran
     by_kernel = {re.sub(r"[.-]", "_", name): name for name in HLO_INSTRUCTION.findall(hlo_text)}
-    total_us, count, kernel = defaultdict(float), defaultdict(int), {}
-    for e, own_us in self_times(device_op_events(events)):
+    def op_of(e):
         op = e.get("args", {}).get("hlo_op") or e["name"]
-        if op not in sources:
-            op = by_kernel.get(e["name"], op)
+        return op if op in sources else by_kernel.get(e["name"], op)
+
+    device_events = device_op_events(events)
+    total_us, count, kernel = defaultdict(float), defaultdict(int), {}
+    for e, own_us in self_times(device_events):
+        op = op_of(e)
         total_us[op] += own_us
         count[op] += 1
         kernel.setdefault(op, e["name"])
@@ -568,8 +575,31 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
               "pct_of_step": 100 * by_source[s] / 1e3 / steps / step_ms}
              for s in sorted(by_source, key=by_source.get, reverse=True)[:TOP_SOURCES]]
     busy_ms = sum(total_us.values()) / 1e3 / steps
+    gaps = [{**gap, "after": f"{op_of(gap['after'])} ({sources.get(op_of(gap['after']), '?')})",
+             "before": f"{op_of(gap['before'])} ({sources.get(op_of(gap['before']), '?')})"}
+            for gap in idle_gaps(device_events)]
+    idle = {"ops_per_step": sum(count.values()) / steps,
+            "ms_per_step": sum(g["us"] for g in gaps) / 1e3 / steps,
+            "by_size": [{"gaps": name, "count": sum(lo <= g["us"] < hi for g in gaps) / steps,
+                         "ms": sum(g["us"] for g in gaps if lo <= g["us"] < hi) / 1e3 / steps}
+                        for name, lo, hi in GAP_SIZES],
+            "longest": sorted(gaps, key=lambda g: -g["us"])[:TOP_GAPS]}
     return {"trace": trace_path, "steps": steps, "step_ms": step_ms, "device_busy_ms": busy_ms,
-            "device_busy_pct": 100 * busy_ms / step_ms, "top_ops": ops, "top_sources": lines}
+            "device_busy_pct": 100 * busy_ms / step_ms, "top_ops": ops, "top_sources": lines, "idle": idle}
+
+
+def idle_gaps(events: list) -> list:
+    """The device's idle intervals between its first op and its last, where no op of any line runs:
+    {us, after: the op that ended last before it, before: the op that starts it}. Many short gaps
+    mean the host launches kernels slower than the device runs them; a few long ones, a wait (a
+    transfer, the host reading a value back)."""
+    gaps, end, last = [], None, None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if end is not None and e["ts"] > end:
+            gaps.append({"us": e["ts"] - end, "after": last, "before": e})
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
+    return gaps
 
 
 def short_op_name(op_name: str, width: int = 70) -> str:
@@ -593,6 +623,12 @@ def profile_lines(profile: dict) -> list:
             f"{'ms':>10}{'% step':>8}{'ops':>8}  source (function:line < caller:line)"]
     for line in profile["top_sources"]:
         out.append(f"{line['ms']:>10.2f}{line['pct_of_step']:>8.1f}{line['count']:>8.4g}  {line['source']}")
+    idle = profile["idle"]
+    sizes = ", ".join(f"{b['gaps']} {b['count']:.4g} ({b['ms']:.1f} ms)" for b in idle["by_size"])
+    out += ["", f"the device idle between ops: {idle['ms_per_step']:.1f} ms/step over {idle['ops_per_step']:.0f} "
+            f"ops/step; gaps a step by length: {sizes}"]
+    for gap in idle["longest"]:
+        out.append(f"  idle {gap['us'] / 1e3:.2f} ms after {gap['after']}, before {gap['before']}")
     return out
 
 

@@ -193,6 +193,45 @@ def test_kernels_inside_a_command_buffer_count_under_their_fusions(tmp_path):
         ("mlp:12 < loss:30", pytest.approx(0.1)), ("norm:7 < loss:30", pytest.approx(0.02)), ("?", pytest.approx(0.005))]
 
 
+def test_idle_time_is_the_time_no_device_op_runs_with_the_longest_gaps_named(tmp_path):
+    """Random ops on two streams, some nested (a loop and its body): the idle time and its gaps against a
+    microsecond grid; the longest gap's neighbours by their op and source line."""
+    rng = np.random.default_rng()
+    events = [meta(2, process="/device:GPU:0"), meta(2, 1, thread="Stream #1"), meta(2, 2, thread="Stream #2")]
+    for _ in range(60):
+        ts, dur = int(rng.integers(0, 20_000)), int(rng.integers(1, 400))
+        events.append(op(2, int(rng.integers(1, 3)), f"fusion.{rng.integers(5)}", ts, dur))
+        if rng.random() < 0.3:  # an op nested inside it
+            events.append(op(2, events[-1]["tid"], "fusion.9", ts + dur // 4, dur // 2 or 1))
+    ops = [e for e in events if e["ph"] == "X"]
+    start, end = min(e["ts"] for e in ops), max(e["ts"] + e["dur"] for e in ops)
+    busy = np.zeros(end - start, bool)
+    for e in ops:
+        busy[e["ts"] - start:e["ts"] + e["dur"] - start] = True
+    runs = [len(r) for r in "".join("." if b else "x" for b in busy).split(".") if r]  # idle runs, in us
+    path = tmp_path / "gpu.trace.json.gz"
+    write_trace(path, events)
+    idle = bench.top_device_ops(str(path), steps=2, step_ms=20.0)["idle"]
+    assert idle["ms_per_step"] == pytest.approx((~busy).sum() / 1e3 / 2)
+    assert sum(b["count"] for b in idle["by_size"]) * 2 == pytest.approx(len(runs))
+    assert sum(b["ms"] for b in idle["by_size"]) == pytest.approx(idle["ms_per_step"])
+    assert [g["us"] for g in idle["longest"]] == sorted(runs, reverse=True)[:bench.TOP_GAPS]
+    assert idle["ops_per_step"] == pytest.approx(len(ops) / 2)
+
+    hlo = "\n".join(f'  %{name} = f32[2]{{0}} fusion(%p), kind=kLoop, metadata={{op_name="x" stack_frame_id={frame}}}'
+                    for name, frame in (("fusion.1", 2), ("fusion.3", 3))) + "\n" + FRAMES
+    events = [meta(2, process="/device:GPU:0"), meta(2, 1, thread="XLA Ops"), op(2, 1, "while.2", 0, 100),
+              op(2, 1, "fusion.1", 10, 20), op(2, 1, "fusion.3", 2_100, 10), op(2, 1, "fusion.1", 2_115, 5)]
+    write_trace(path, events)
+    profile = bench.top_device_ops(str(path), steps=1, step_ms=2.2, hlo_text=hlo)
+    assert [(g["us"], g["after"], g["before"]) for g in profile["idle"]["longest"]] == [
+        (2_000, "while.2 (?)", "fusion.3 (norm:7 < loss:30)"), (5, "fusion.3 (norm:7 < loss:30)",
+                                                                 "fusion.1 (mlp:12 < loss:30)")]
+    assert [b["count"] for b in profile["idle"]["by_size"]] == [1, 0, 0, 1]
+    assert "idle 2.00 ms after while.2 (?), before fusion.3 (norm:7 < loss:30)" in "\n".join(
+        bench.profile_lines({**profile, "trace": str(path)}))
+
+
 def test_a_missing_trace_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="trace.json.gz"):
         bench.latest_trace(str(tmp_path))
@@ -285,6 +324,9 @@ def test_the_profile_alone_loads_a_stages_program_and_ranks_its_ops_and_lines(ti
     named = [r["source"] for r in profile["top_sources"] if r["source"] != "?"]
     assert any(re.match(r"(gpt_hidden|attention|sequence_loss|device_step\S*):\d+ < ", s) for s in named), named
     assert all(r["source"] in table for r in profile["top_sources"])
+    idle = profile["idle"]  # (XLA:CPU's thunks run one after another: the gaps are the host's own work)
+    assert idle["ops_per_step"] > 0 and 0 <= idle["ms_per_step"] < profile["step_ms"]
+    assert "the device idle between ops" in table and len(idle["longest"]) <= bench.TOP_GAPS
 
 
 @pytest.mark.heavy
