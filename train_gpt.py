@@ -2348,10 +2348,12 @@ def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pr
     return dict(zip(programs, compiled)), val_compiled, hits.count
 
 
-def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batches, val_batches, prefix_V):
+def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batches, val_batches, prefix_V,
+              stop=()):
     """The schedule: total_steps steps, validation every val_loss_every steps and at the end. Writes
-    the step and val lines; returns (state, final val loss, train ms). An Interrupted raised inside
-    gets the step it happened at (.step)."""
+    the step and val lines; returns (state, final val loss, train ms). A signal's name in `stop` (a
+    list train's handler appends to) ends it before the next step as an Interrupted, which gets the
+    step it happened at (.step)."""
     N = hp.total_steps
     params, buffers, opt_state, fp8 = state
     validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
@@ -2375,6 +2377,8 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
 
     try:
         for step in range(N + 1):
+            if stop:
+                raise Interrupted(stop[0])
             if step in validations:
                 if pending:
                     finish(pending)
@@ -2428,10 +2432,15 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         if main_process:
             print(text, flush=True)
 
-    def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
-        raise Interrupted(signal.Signals(signum).name)
+    previous, log, batches, trained, stop = {}, None, None, False, []
 
-    previous, log, batches, trained = {}, None, None, False
+    def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
+        """Before training, stop at once; once the data thread runs, between steps (run_steps looks at
+        `stop`): an exception raised inside JAX's own code could leave it holding a lock the data
+        thread then waits for, and the clean-up's join would hang."""
+        if batches is None:
+            raise Interrupted(signal.Signals(signum).name)
+        stop.append(signal.Signals(signum).name)
 
     def say(text, console_note=""):
         if log:
@@ -2473,7 +2482,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         val_batches = [tuple(jax.make_array_from_process_local_data(by_chunk, a) for a in b) for b in inputs.val_batches]
         batches = prefetch(train_chunks(hp, inputs.train_files), put)
         state, val_loss, train_ms = run_steps(hp, say, console, programs, val_step, state, batches, val_batches,
-                                              prefix_V)
+                                              prefix_V, stop)
         trained = True
         stats = jax.local_devices()[0].memory_stats() or {}
         tokens = sum(hp.stages[stage_of(s, hp)[0]].batch_size for s in range(hp.total_steps))

@@ -213,6 +213,26 @@ def test_validations_before_the_last_read_the_first_intermediate_val_tokens(tiny
             tg.dataclasses.replace(hp, intermediate_val_tokens=bad)
 
 
+def test_a_signal_during_training_ends_the_run_between_steps(tiny_hp):
+    """train()'s handler only notes a signal once the data thread runs (an exception raised inside JAX's
+    own code could leave a lock held that the thread waits for); run_steps stops before the next step,
+    the step it was at on the Interrupted."""
+    stop, dispatched = [], []
+
+    def train_step(params, buffers, opt_state, fp8, x, y, a, sv, bootstrap, prefix_V):
+        dispatched.append(len(dispatched))
+        if len(dispatched) == 2:
+            stop.append("SIGTERM")  # as if it came while step 2 ran
+        return params, opt_state, fp8, tg.jnp.asarray(1.0)
+
+    programs = {tg.stage_shape(step, tiny_hp): train_step for step in range(tiny_hp.total_steps)}
+    with pytest.raises(tg.Interrupted, match="SIGTERM") as e:
+        tg.run_steps(tiny_hp, lambda line, note="": None, lambda text: None, programs,
+                     lambda *args: tg.jnp.asarray(2.0), (None, None, None, None),
+                     iter([(None, None)] * tiny_hp.total_steps), [(None, None)], None, stop)
+    assert dispatched == [0, 1] and e.value.step == 2
+
+
 class Faulted:
     """A loss whose reading fails, as a device fault surfaces at the next wait."""
     def addressable_data(self, i):
