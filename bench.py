@@ -575,9 +575,10 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
               "pct_of_step": 100 * by_source[s] / 1e3 / steps / step_ms}
              for s in sorted(by_source, key=by_source.get, reverse=True)[:TOP_SOURCES]]
     busy_ms = sum(total_us.values()) / 1e3 / steps
-    gaps = [{**gap, "after": f"{op_of(gap['after'])} ({sources.get(op_of(gap['after']), '?')})",
-             "before": f"{op_of(gap['before'])} ({sources.get(op_of(gap['before']), '?')})"}
-            for gap in idle_gaps(device_events)]
+    def named(e):  # "op (source line)"
+        return f"{op_of(e)} ({sources.get(op_of(e), '?')})"
+
+    gaps = [{**gap, "after": named(gap["after"]), "before": named(gap["before"])} for gap in idle_gaps(device_events)]
     idle = {"ops_per_step": sum(count.values()) / steps,
             "ms_per_step": sum(g["us"] for g in gaps) / 1e3 / steps,
             "by_size": [{"gaps": name, "count": sum(lo <= g["us"] < hi for g in gaps) / steps,

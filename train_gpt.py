@@ -2438,9 +2438,10 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         """Before training, stop at once; once the data thread runs, between steps (run_steps looks at
         `stop`): an exception raised inside JAX's own code could leave it holding a lock the data
         thread then waits for, and the clean-up's join would hang."""
+        name = signal.Signals(signum).name
         if batches is None:
-            raise Interrupted(signal.Signals(signum).name)
-        stop.append(signal.Signals(signum).name)
+            raise Interrupted(name)
+        stop.append(name)
 
     def say(text, console_note=""):
         if log:
