@@ -58,6 +58,7 @@ NUM_LAYERS = 11  # the layer layout below (paired, XSA, gates, MUDD, DC) is writ
 NUM_HEADS = 6
 RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever the device count
 E4M3_MAX = 448.0
+MLP_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp: the FP8 MLP's up projection and backward dpre (mlp_fp8)
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
 
 
@@ -95,6 +96,7 @@ class Hyperparameters:
     head_dim: int = 128  # model_dim = 6 x head_dim
     attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU);
     # the command line's default, auto, picks pallas on GPUs (auto_attention)
+    mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" or "pallas" (fused epilogues; not yet timed)
     bigram_vocab_size: int = 50304 * 15 // 2  # hash buckets; the last one is position 0's
     bigram_sign_rows: int = 8192
     # schedule
@@ -133,6 +135,7 @@ class Hyperparameters:
             (0 < self.cooldown_frac <= 1, f"--cooldown-frac {self.cooldown_frac} must be in (0, 1]"),
             (len(self.stages) == 4, "four stages: three scheduled thirds and the extension"),
             (self.attention in ("xla", "pallas"), f"--attention {self.attention!r}: choose xla or pallas"),
+            (self.mlp in MLP_IMPLEMENTATIONS, f"--mlp {self.mlp!r}: choose xla or pallas"),
             (0 <= self.bos_id < self.vocab_size,
              f"--bos-id {self.bos_id} must be a token id below --vocab-size {self.vocab_size}"),
             *[(s.batch_size % (8 * 16) == 0 and s.max_seq_len > 0,
@@ -698,10 +701,13 @@ def _relu2(acc):
     return (f32(c) * f32(c)).astype(BF16)
 
 
-def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD):
+def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD, impl="xla"):
     dw2 = jnp.matmul(post_TxF.T, g_TxD, preferred_element_type=F32).astype(BF16)
-    c = jnp.matmul(g_TxD, w2_FxD.T, preferred_element_type=F32).astype(BF16)
-    dpre = (2 * f32(c) * jnp.sqrt(f32(post_TxF))).astype(BF16)
+    if impl == "pallas":
+        dpre = pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF)
+    else:
+        c = jnp.matmul(g_TxD, w2_FxD.T, preferred_element_type=F32).astype(BF16)
+        dpre = (2 * f32(c) * jnp.sqrt(f32(post_TxF))).astype(BF16)
     dw1 = jnp.matmul(dpre.T, x_TxD, preferred_element_type=F32).astype(BF16)
     dx = jnp.matmul(dpre, w1_FxD, preferred_element_type=F32).astype(BF16)
     return dx, dw1, dw2
@@ -748,27 +754,32 @@ def next_down_weight_scales(mlp_bank):
     return amax_L * np.float32(MLP_WEIGHT_HEADROOM / E4M3_MAX)
 
 
-@jax.custom_vjp
-def mlp_fp8(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T):
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def mlp_fp8(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T, impl="xla"):
     """relu(x W1ᵀ)² W2 through e4m3 GEMMs; returns (out, amax of the post-activation). valid_T (bool):
-    the rows that count in the amaxes (padding does not; it is clipped into the e4m3 range)."""
-    return _mlp_fp8_fwd(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T)[0]
+    the rows that count in the amaxes (padding does not; it is clipped into the e4m3 range). impl: xla,
+    or pallas (the up projection and the backward's dpre as fused kernels, the same values)."""
+    return _mlp_fp8_fwd(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T, impl)[0]
 
 
-def _mlp_fp8_fwd(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T):
+def _mlp_fp8_fwd(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T, impl="xla"):
     w1_f8, w1_scale = quantize_up(w1_FxD)
     amax = f32(jnp.maximum(jnp.max(jnp.where(valid_T[:, None], jnp.abs(x_TxD), 0)), 1e-12))
     x_f8 = jnp.clip(f32(x_TxD) * (E4M3_MAX / amax), -E4M3_MAX, E4M3_MAX).astype(E4M3)
     dequant = w1_scale * amax / np.float32(E4M3_MAX)
-    post = _relu2(fp8_dot(x_f8, w1_f8, ((1,), (1,))) * dequant)
-    post_f8 = jnp.minimum(f32(post) * (1 / act_scale), E4M3_MAX).astype(E4M3)
+    if impl == "pallas":
+        post, post_f8, post_amax = pallas_mlp_up(x_f8, w1_f8, dequant, act_scale, valid_T)
+    else:
+        post = _relu2(fp8_dot(x_f8, w1_f8, ((1,), (1,))) * dequant)
+        post_f8 = jnp.minimum(f32(post) * (1 / act_scale), E4M3_MAX).astype(E4M3)
+        post_amax = f32(jnp.max(jnp.where(valid_T[:, None], post, 0)))
     w2_f8 = jnp.clip(f32(w2_FxD) / w2_scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
     out = (fp8_dot(post_f8, w2_f8, ((1,), (0,))) * (act_scale * w2_scale)).astype(BF16)
-    return (out, f32(jnp.max(jnp.where(valid_T[:, None], post, 0)))), (x_TxD, w1_FxD, w2_FxD, post)
+    return (out, post_amax), (x_TxD, w1_FxD, w2_FxD, post)
 
 
-def _mlp_fp8_bwd(res, g):
-    dx, dw1, dw2 = _mlp_bwd_bf16(*res, g[0])
+def _mlp_fp8_bwd(impl, res, g):
+    dx, dw1, dw2 = _mlp_bwd_bf16(*res, g[0], impl)
     return dx, dw1, dw2, None, None, None
 
 
@@ -797,7 +808,8 @@ def layer_weights(p: dict):
     return attn, mlp
 
 
-def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, attention_impl: str = "xla"):
+def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, attention_impl: str = "xla",
+               mlp_impl: str = "xla"):
     """The network up to the final norm for one sequence (int32 (T,), T a multiple of 128).
     `a`: runtime schedule values (see schedule_values). mlp_scales: None (bf16 MLP) or the FP8
     down projection's (weight scales (12,), activation scales (12,)) of this micro-batch slot.
@@ -885,7 +897,7 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
         if mlp_scales is None:
             h = mlp_bf16(normed, w1, w2)
         else:
-            h, amax = mlp_fp8(normed, w1, w2, mlp_scales[0][i], mlp_scales[1][i], a["valid"])
+            h, amax = mlp_fp8(normed, w1, w2, mlp_scales[0][i], mlp_scales[1][i], a["valid"], mlp_impl)
             amaxes.append(amax)
         if mu is not None:
             x = (m[12] * f32(x) + m[13] * f32(h)).astype(BF16)
@@ -1076,12 +1088,12 @@ def fp8_mlp_scales(params: dict, step: int, hp: Hyperparameters, slot: int = 0):
 
 
 def sequence_loss(p: dict, inputs_T, targets_T, a: dict, training: bool, mlp_scales=None, prefix_T=None,
-                  attention_impl: str = "xla"):
+                  attention_impl: str = "xla", mlp_impl: str = "xla"):
     """Per-token losses of one sequence (and the sum backward starts from, and the MLP amaxes).
     Targets < 0 mark padding (loss_fn's): no loss, and left out of the FP8 amaxes."""
     a = {**a, "docs": jnp.cumsum(inputs_T == a["bos"], dtype=jnp.int32),  # a BOS opens a document
          "positions": jnp.arange(inputs_T.shape[0], dtype=F32), "valid": targets_T >= 0}
-    h, amax = gpt_hidden(p, inputs_T, a, training, mlp_scales, attention_impl)
+    h, amax = gpt_hidden(p, inputs_T, a, training, mlp_scales, attention_impl, mlp_impl)
     if not training:
         losses = eval_head_loss(h, p["lm_head.weight"], targets_T)
         return jnp.sum(losses), losses, amax
@@ -1363,8 +1375,7 @@ def _pallas(kernel, tuning, name, **call):
     anywhere else the same kernel in interpret mode."""
     def build(interpret):
         params = pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
-        return pl.pallas_call(partial(kernel, tile=tuning.tile), compiler_params=params, interpret=interpret,
-                              name=name, **call)
+        return pl.pallas_call(kernel, compiler_params=params, interpret=interpret, name=name, **call)
 
     return lambda *args: jax.lax.platform_dependent(*args, cuda=build(False), default=build(True))
 
@@ -1407,8 +1418,8 @@ def _pallas_forward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, tuning=PAL
     lo_N, _ = _block_tables(docs_T, window_1[0])
     rule, blk, seq, rows_blk, _ = _pallas_specs(T, K)
     out_shape = (jax.ShapeDtypeStruct.like(q_TxHxK), jax.ShapeDtypeStruct((H, T), F32))
-    call = _pallas(_fwd_kernel, tuning, "attention_fwd", grid=(T // BLOCK, H), out_shape=out_shape,
-                   in_specs=[*rule, blk, seq, seq], out_specs=(blk, rows_blk))
+    call = _pallas(partial(_fwd_kernel, tile=tuning.tile), tuning, "attention_fwd", grid=(T // BLOCK, H),
+                   out_shape=out_shape, in_specs=[*rule, blk, seq, seq], out_specs=(blk, rows_blk))
     return call(lo_N, window_1, scale_1, docs_T, q_TxHxK, k_TxHxK, v_TxHxK)
 
 
@@ -1422,9 +1433,9 @@ def _pallas_backward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, out_TxHxK
     delta_HxT = jnp.einsum("thd,thd->ht", out_TxHxK.astype(F32), dout_TxHxK.astype(F32))
     rule, blk, seq, rows_blk, rows_seq = _pallas_specs(T, K)
     like = jax.ShapeDtypeStruct.like
-    dq = _pallas(_dq_kernel, dq_tuning, "attention_dq", grid=(T // BLOCK, H), out_shape=like(q_TxHxK),
-                 in_specs=[*rule, blk, seq, seq, blk, rows_blk, rows_blk], out_specs=blk)
-    dkv = _pallas(_dkv_kernel, dkv_tuning, "attention_dkv", grid=(T // BLOCK, H),
+    dq = _pallas(partial(_dq_kernel, tile=dq_tuning.tile), dq_tuning, "attention_dq", grid=(T // BLOCK, H),
+                 out_shape=like(q_TxHxK), in_specs=[*rule, blk, seq, seq, blk, rows_blk, rows_blk], out_specs=blk)
+    dkv = _pallas(partial(_dkv_kernel, tile=dkv_tuning.tile), dkv_tuning, "attention_dkv", grid=(T // BLOCK, H),
                   out_shape=(like(k_TxHxK), like(v_TxHxK)),
                   in_specs=[*rule, seq, blk, blk, seq, rows_seq, rows_seq], out_specs=(blk, blk))
     args = (window_1, scale_1, docs_T, q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK, lse_HxT, delta_HxT)
@@ -1452,6 +1463,93 @@ pallas_window_attention.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 
 
 ATTENTION = {"xla": window_attention, "pallas": pallas_window_attention}  # --attention: the same rule
+
+
+# --- the MLP's GEMMs with their epilogues as fused Pallas kernels (Triton on GPUs) ---------------
+# The reference's linear_relu_square kernel, in two uses: the FP8 up projection writes post = relu(pre)²
+# in bf16, its e4m3 copy for the down projection and the max of post, from one GEMM tile each; the
+# backward's g·W2ᵀ writes dpre = 2·c·sqrt(post) straight from its accumulator. XLA's GPU compiler
+# keeps these epilogues apart from its GEMMs (tests/gpu/aot.py on the record's last stage: the up
+# projection's GEMM writes relu(pre), one pass squares it into post and takes its max, another its
+# e4m3 copy: 9 bytes an element of post where the kernel moves 3; the backward's c = g·W2ᵀ makes a
+# round trip of 4 more). The same values as the XLA path of mlp_fp8; --mlp chooses.
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTuning:
+    """Triton knobs of one GEMM kernel: an output tile of rows x cols, `depth` columns of both inputs
+    loaded per loop step (tiles smaller than a dimension are cut to fit it: the small presets)."""
+
+    rows: int
+    cols: int
+    depth: int
+    num_warps: int
+    num_stages: int
+
+    def fit(self, M, N, K):
+        def fit(want, n):
+            while n % want:
+                want //= 2
+            return want
+        return dataclasses.replace(self, rows=fit(self.rows, M), cols=fit(self.cols, N), depth=fit(self.depth, K))
+
+
+# Starting points, not yet measured on a GPU: a 128 x 256 fp32 accumulator over 8 warps (128 registers
+# a thread), 3 stages of 48 KiB of input tiles in shared memory (e4m3 128 deep, bf16 64 deep).
+PALLAS_MLP_UP = GemmTuning(rows=128, cols=256, depth=128, num_warps=8, num_stages=3)
+PALLAS_MLP_DPRE = GemmTuning(rows=128, cols=256, depth=64, num_warps=8, num_stages=3)
+
+
+def _gemm_nt(a_ref, b_ref, depth):
+    """a_ref @ b_refᵀ over the refs' whole second dimension, `depth` columns a step, fp32 accumulation."""
+    def step(k, acc):
+        ks = pl.ds(pl.multiple_of(k * depth, depth), depth)
+        return acc + _dot_nt(a_ref[:, ks], b_ref[:, ks])
+    return jax.lax.fori_loop(0, a_ref.shape[1] // depth, step, jnp.zeros((a_ref.shape[0], b_ref.shape[0]), F32))
+
+
+def _mlp_up_kernel(scales_ref, valid_ref, x_ref, w_ref, post_ref, post_f8_ref, amax_ref, *, depth):
+    post = _relu2(_gemm_nt(x_ref, w_ref, depth) * scales_ref[0])
+    post_ref[...] = post
+    post_f8_ref[...] = jnp.minimum(f32(post) * scales_ref[1], E4M3_MAX).astype(E4M3)
+    amax_ref[...] = jnp.max(jnp.where(valid_ref[...][:, None] != 0, f32(post), 0), keepdims=True)
+
+
+def _mlp_dpre_kernel(g_ref, w_ref, post_ref, dpre_ref, *, depth):
+    c = _gemm_nt(g_ref, w_ref, depth).astype(BF16)
+    dpre_ref[...] = (2 * f32(c) * jnp.sqrt(f32(post_ref[...]))).astype(BF16)
+
+
+def pallas_mlp_up(x_f8, w1_f8, dequant, act_scale, valid_T, tuning=PALLAS_MLP_UP):
+    """(post, post_f8, amax): post = relu(dequant·x_f8·w1_f8ᵀ)² in bf16, its e4m3 copy min(post/act_scale,
+    448) and the max of post over the valid rows, as _mlp_fp8_fwd computes them. T, F multiples of 16."""
+    (T, D), F = x_f8.shape, w1_f8.shape[0]
+    t = tuning.fit(T, F, D)
+    grid = (T // t.rows, F // t.cols)
+    tile = pl.BlockSpec((t.rows, t.cols), lambda i, j: (i, j))
+    call = _pallas(partial(_mlp_up_kernel, depth=t.depth), t, "mlp_up", grid=grid,
+                   out_shape=(jax.ShapeDtypeStruct((T, F), BF16), jax.ShapeDtypeStruct((T, F), E4M3),
+                              jax.ShapeDtypeStruct(grid, F32)),
+                   in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), pl.BlockSpec((t.rows,), lambda i, j: (i,)),
+                             pl.BlockSpec((t.rows, D), lambda i, j: (i, 0)),
+                             pl.BlockSpec((t.cols, D), lambda i, j: (j, 0))],
+                   out_specs=(tile, tile, pl.BlockSpec((1, 1), lambda i, j: (i, j))))
+    scales = jnp.stack([jnp.asarray(dequant, F32), 1 / jnp.asarray(act_scale, F32)])
+    post, post_f8, amax_tiles = call(scales, valid_T.astype(jnp.int32), x_f8, w1_f8)
+    return post, post_f8, jnp.max(amax_tiles)
+
+
+def pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF, tuning=PALLAS_MLP_DPRE):
+    """dpre = bf16(2·bf16(g·W2ᵀ)·sqrt(post)), as _mlp_bwd_bf16 computes it."""
+    (T, D), F = g_TxD.shape, w2_FxD.shape[0]
+    t = tuning.fit(T, F, D)
+    tile = pl.BlockSpec((t.rows, t.cols), lambda i, j: (i, j))
+    call = _pallas(partial(_mlp_dpre_kernel, depth=t.depth), t, "mlp_dpre", grid=(T // t.rows, F // t.cols),
+                   out_shape=jax.ShapeDtypeStruct((T, F), BF16),
+                   in_specs=[pl.BlockSpec((t.rows, D), lambda i, j: (i, 0)),
+                             pl.BlockSpec((t.cols, D), lambda i, j: (j, 0)), tile],
+                   out_specs=tile)
+    return call(g_TxD, w2_FxD.astype(g_TxD.dtype), post_TxF)
 
 
 # -----------------------------------------------------------------------------
@@ -1960,7 +2058,7 @@ def next_act_scales(act_12, amax_11):
 
 
 def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla",
-                max_diagonals=None):
+                max_diagonals=None, mlp="xla"):
     """This device's chunks one at a time: summed gradients (fp32) and losses, new activation scales.
     max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
     a = with_max_diagonals(a, max_diagonals)
@@ -1970,8 +2068,7 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
 
         def loss(p):
             s, losses, amax = sequence_loss({**buffers, **p}, x_T, y_T, a, True, (w_scales, act_12),
-                                            prefix_targets(prefix_V, y_T),
-                                            attention)
+                                            prefix_targets(prefix_V, y_T), attention, mlp)
             return s, (losses, amax)
 
         (_, (losses, amax)), g = jax.value_and_grad(loss, has_aux=True)(params)
@@ -1995,8 +2092,9 @@ def make_train_step(hp: Hyperparameters, mesh):
     def train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V):
         w_scales = down_weight_scales(params["mlp_bank"], bootstrap, fp8["next_w"])
         bounds = max_diagonals(hp, (inputs_8xT.shape[1], a["mtp"].shape[0])) if hp.attention == "xla" else None
-        g, loss, act = jax.shard_map(partial(device_step, attention=hp.attention, max_diagonals=bounds), **specs)(
-            params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales, prefix_V)
+        step = partial(device_step, attention=hp.attention, max_diagonals=bounds, mlp=hp.mlp)
+        g, loss, act = jax.shard_map(step, **specs)(params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales,
+                                                    prefix_V)
         grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
         next_w = next_down_weight_scales(params["mlp_bank"])
         params, opt_state = optimizer_step(params, grads, opt_state, hp, sv)
@@ -2466,7 +2564,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         say(f"preset {preset}: {hp.total_steps} steps ({hp.num_scheduled_iterations} scheduled + "
             f"{hp.num_extension_iterations} extension), stages at {[b[0] for b in stage_bounds(hp)]}, batch "
             f"{[s.batch_size for s in hp.stages]} tokens as 8 chunks, {mesh.size} device(s), "
-            f"{RANKS // mesh.size} chunk(s) per device per step, attention {hp.attention}; "
+            f"{RANKS // mesh.size} chunk(s) per device per step, attention {hp.attention}, mlp {hp.mlp}; "
             f"log {log.path if log else '-'}")
         if init_path:
             say(f"initial weights: {os.path.abspath(init_path)}")
@@ -2610,6 +2708,10 @@ def parse_args(argv=None):
         if field.name == "attention":
             hyper.add_argument(flag, choices=("auto", "xla", "pallas"),
                                help="auto (default): pallas on GPUs, xla elsewhere")
+            continue
+        if field.name == "mlp":
+            hyper.add_argument(flag, choices=MLP_IMPLEMENTATIONS, help="the FP8 MLP's up projection and backward dpre: "
+                               "XLA's GEMMs and passes (default), or Pallas kernels with fused epilogues")
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):

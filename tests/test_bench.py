@@ -271,19 +271,30 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
 
 def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
     out = tmp_path / "sweep.txt"
-    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2", "--repeats", "1", "--out",
-                       str(out)]) == 0
+    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2",
+                       "--repeats", "1", "--out", str(out)]) == 0
     table, line = out.read_text().rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     hp = bench.PRESETS["smoke"]
     windows = sorted({int(w) for w in tg.windows(tg.stage_bounds(hp)[-2][0], hp)})
-    assert set(result["rows"]) == {f"pallas {k} W={w}" for k in ("fwd tile 128 warps 8 stages 2",
-                                                                 "dq tile 64 warps 4 stages 2") for w in windows}
+    assert set(result["rows"]) == {f"pallas {k} W={w}" for k in ("fwd:128/8/2", "dq:64/4/2") for w in windows} | {
+        "pallas up:128x256x128/8/3", "pallas dpre:64x64x32/4/2"}  # the MLP's: on the chunk's 128 tokens, d = 96
     assert result["errors"] == [] and all(row["ms"] > 0 and row["gflop"] > 0 for row in result["rows"].values())
-    for bad in ("fwd:100/8/2", "fwd:128/8", "attn:64/4/2", "dq:64/0/2"):
+    assert result["rows"]["pallas up:128x256x128/8/3"]["gflop"] == 2 * 128 * 96 * 384 / 1e9
+    for bad in ("fwd:100/8/2", "fwd:128/8", "attn:64/4/2", "dq:64/0/2", "up:128x256/8/3", "dpre:128x96x64/8/3",
+                "up:8x16x16/4/2"):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--sweep", bad])
         assert e.value.code == 2 and f"--sweep item {bad!r}" in capsys.readouterr().err
+
+
+def test_the_gpu_sessions_default_sweep_is_valid_sweep_syntax():
+    """tests/gpu/session.sh's SWEEP_DEFAULT (assigned, then extended with +=) parses, and names every kernel:
+    a typo there would cost a GPU session's minutes."""
+    text = open(os.path.join(ROOT, "tests", "gpu", "session.sh")).read()
+    items = ",".join(v.lstrip(",") for v in re.findall(r"^SWEEP_DEFAULT\+?=(\S+)$", text, re.M))
+    kernels = {kernel for kernel, _ in bench.parse_sweep(items)}
+    assert kernels == set(bench.ATTENTION_KERNELS) | set(bench.MLP_KERNELS)
 
 
 # ---- the suite on CPU
@@ -310,7 +321,7 @@ def test_the_profile_alone_loads_a_stages_program_and_ranks_its_ops_and_lines(ti
     result = json.loads(line)
     assert tg.program_steps(bench.PRESETS["smoke"]) == [0]  # one program serves every stage: stage 0's
     assert table.startswith("profile: preset smoke, stage 2's train program (chunks of 128, 1 MTP weights, attention "
-                            "xla) loaded from the persistent compile cache in ")  # smoke = conftest's TINY_FLAGS
+                            "xla, mlp xla) loaded from the persistent compile cache in ")  # smoke = conftest's TINY_FLAGS
     assert result["loaded_from_cache"] and result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (2, 128)
     profile = result["profile"]
     assert profile["steps"] == bench.PROFILE_STEPS and profile["trace"].startswith(str(tmp_path / "trace"))
@@ -355,7 +366,8 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
     assert tg.program_steps(hp) == [0]
     windows = sorted({tuple(int(w) for w in tg.windows(first, hp)) for first, _ in tg.stage_bounds(hp)})
     assert len(windows) == 4  # every stage's windows, although one program serves them
-    expected = ["validation step (final windows)", "MLP fp8 (one layer)", "head + loss fp8 (MTP, prefix)",
+    expected = ["validation step (final windows)", "MLP fp8 (one layer) xla", "MLP fp8 (one layer) pallas",
+                "head + loss fp8 (MTP, prefix)",
                 "optimizer step (NorMuon + Adam)", "train step stage 0 (synced) W=128/384",
                 "train step stage 0 (pipelined) W=128/384", "model fwd+bwd xla stage 0 T=128 W=128/384"]
     for impl in tg.ATTENTION:

@@ -15,6 +15,8 @@ tail and leaves the others running:
   attention IMPL W T H     tg.ATTENTION[IMPL] forward and gradients at T tokens, H heads of the
                            record's 128, window W tokens, against a dense fp32 reference on 4 query
                            blocks (H = 3 with 2T: the paired layers' doubled sequence)
+  mlp T                    the FP8 MLP's Pallas kernels (--mlp pallas) at T tokens of the record's
+                           width against float64 on sampled rows, and the whole MLP against --mlp xla
 
 e.g. `python tests/test_gpu.py attention xla 2560 49152 6`; the last line printed is `RESULT {json}`.
 Bisecting a crash: the children inherit the environment, so XLA_FLAGS (`--xla_dump_to=DIR`,
@@ -899,6 +901,70 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
             "dv_max": float(jnp.max(jnp.abs(ref_dv)))}
 
 
+@lane
+def test_mlp_kernels_match_float64_and_the_xla_path():
+    result = run_case("mlp", ATTENTION_T)
+    print(result)
+    # in units of 2^-8 of a value, as in tests/test_model.py: relu(pre) may round to the other neighbour
+    # (its fp32 sum differs from float64's), up to 2 units (a bf16 ulp is 2^-7 to 2^-8 of a value), which
+    # the square doubles, then post's own rounding; dpre: c's other neighbour and its own rounding
+    assert result["post_ulps"] <= 5 and result["dpre_ulps"] <= 3, result
+    assert result["post_f8_exact"] and result["amax_exact"], result
+    for name in ("out", "amax", "dx", "dw1", "dw2"):
+        assert result[f"{name}_vs_xla"] <= 1e-3, result
+
+
+def case_mlp(T: int) -> dict:
+    """mlp_fp8 with --mlp pallas at the record's sizes (D 768, F 3072) and T tokens, a fifth of the rows
+    padding: its kernels against float64 on the same e4m3/bf16 operands (256 sampled rows, in units of
+    the bf16 rounding 2^-8), and the whole MLP forward and backward against the XLA path."""
+    import train_gpt as tg
+
+    D, F = 768, 3072
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    valid = jnp.asarray(rng.random(T) < 0.8)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    w1, w2 = (jnp.asarray(rng.uniform(-0.04, 0.04, (F, D)), jnp.bfloat16) for _ in range(2))
+    g = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    w2_scale, act_scale = jnp.float32(0.04 * 1.12 / 448), jnp.float32(0.01)
+
+    @jax.jit
+    def kernels(x, w1, g):
+        w1_f8, w1_scale = tg.quantize_up(w1)
+        x_amax = jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0)).astype(jnp.float32)
+        x_f8 = jnp.clip(x.astype(jnp.float32) * (tg.E4M3_MAX / x_amax), -tg.E4M3_MAX, tg.E4M3_MAX).astype(tg.E4M3)
+        dequant = w1_scale * x_amax / np.float32(tg.E4M3_MAX)
+        post, post_f8, amax = tg.pallas_mlp_up(x_f8, w1_f8, dequant, act_scale, valid)
+        want_f8 = jnp.minimum(post.astype(jnp.float32) * (1 / act_scale), tg.E4M3_MAX).astype(tg.E4M3)
+        return x_f8, w1_f8, dequant, post, jnp.array_equal(post_f8, want_f8), amax, tg.pallas_mlp_dpre(g, w2, post)
+
+    x_f8, w1_f8, dequant, post, f8_ok, amax, dpre = kernels(x, w1, g)
+    rows = np.sort(rng.choice(T, 256, replace=False))
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    bf16 = lambda a: f64(jnp.asarray(a, jnp.bfloat16))  # noqa: E731
+    post64 = np.maximum(bf16(f64(x_f8[rows]) @ f64(w1_f8).T * float(dequant)), 0) ** 2
+    dpre64 = 2 * bf16(f64(g[rows]) @ f64(w2).T) * np.sqrt(f64(post[rows]))
+    # in bf16 roundings of each value (2^-8 of it), with a floor of 2^-16 of the largest: fp32 sums that
+    # cancel to near zero differ from float64 by more than a rounding of their tiny result
+    ulps = lambda got, want: float(np.max(np.abs(got - want) / (2.0**-8 * np.abs(want) + 2.0**-16 * np.abs(want).max())))  # noqa: E731,E501
+
+    def run(impl):
+        def f(x, w1, w2):
+            out, amax = tg.mlp_fp8(x, w1, w2, w2_scale, act_scale, valid, impl)
+            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), (out, amax)
+        (_, aux), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, w1, w2)
+        return [f64(a) for a in (*aux, *grads)]
+
+    names = ["out", "amax", "dx", "dw1", "dw2"]
+    vs_xla = {f"{n}_vs_xla": float(np.linalg.norm(a - b) / np.linalg.norm(b))
+              for n, a, b in zip(names, run("pallas"), run("xla"))}
+    post_all = f64(post)
+    return {"T": T, "seed": seed, "post_ulps": ulps(f64(post[rows]), post64), "dpre_ulps": ulps(f64(dpre[rows]), dpre64),
+            "post_f8_exact": bool(f8_ok), "amax_exact": float(amax) == float(post_all[np.asarray(valid)].max()),
+            **vs_xla}
+
+
 # ---------------------------------------------------------------------------------------------
 # The session script (tests/gpu/session.sh): pieces under timeouts, output kept in $OUT
 
@@ -1066,7 +1132,7 @@ def test_compile_only_script_says_how_to_install_the_cuda_plugin_it_needs():
 # ---------------------------------------------------------------------------------------------
 
 CASES = {"train": (case_train, (str, int, str)), "hlo": (case_hlo, (str, int, str)),
-         "attention": (case_attention, (str, int, int, int))}
+         "attention": (case_attention, (str, int, int, int)), "mlp": (case_mlp, (int,))}
 
 if __name__ == "__main__":
     name, *values = sys.argv[1:]

@@ -342,6 +342,53 @@ def test_fp8_mlp_forward_and_bf16_backward():
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
 
 
+def test_pallas_mlp_kernels_give_the_xla_paths_values_and_float64s():
+    """mlp_fp8's Pallas path (interpreted here): the up projection's post, its e4m3 copy and the max over
+    valid rows, and the backward's dpre, against float64 on the same e4m3/bf16 operands (one bf16
+    rounding apart at most) and against the XLA path. Tiles cut to fit: 2 x 3 output tiles, K in 3 steps."""
+    rng = np.random.default_rng(11)
+    T, D, F = 256, 96, 384
+    x = rng.normal(size=(T, D))
+    valid = rng.random(T) < 0.8
+    x[~valid] *= 50  # padding rows: huge, clipped into e4m3, left out of the max
+    x, w1, w2 = (jnp.asarray(a, BF16) for a in (x, rng.uniform(-0.1, 0.1, (F, D)), rng.uniform(-0.1, 0.1, (F, D))))
+    valid = jnp.asarray(valid)
+    w2_scale, act_scale = jnp.float32(0.1 * 1.12 / 448), jnp.float32(0.02)
+
+    w1_f8, w1_scale = m.quantize_up(w1)
+    x_amax = float(jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0)))
+    x_f8 = jnp.clip(x.astype(F32) * (m.E4M3_MAX / x_amax), -m.E4M3_MAX, m.E4M3_MAX).astype(m.E4M3)
+    dequant = np.float32(w1_scale) * np.float32(x_amax) / np.float32(m.E4M3_MAX)
+    post, post_f8, amax = m.pallas_mlp_up(x_f8, w1_f8, dequant, act_scale, valid)
+    pre64 = np.asarray(x_f8, np.float64) @ np.asarray(w1_f8, np.float64).T * float(dequant)
+    post64 = np.maximum(bf16(pre64), 0) ** 2
+    post = np.asarray(post, np.float64)
+    # bf16 roundings: relu(pre) may round to the other neighbour than float64's (its fp32 sum differs), up
+    # to 2^-7 of it (a bf16 ulp), which the square doubles, then post's own 2^-8; dpre below: c's other
+    # neighbour and its own rounding
+    assert np.all(np.abs(post - post64) <= 5 * 2.0**-8 * post64)
+    want_f8 = jnp.minimum(jnp.asarray(post, F32) * (1 / act_scale), m.E4M3_MAX).astype(m.E4M3)  # as the XLA path
+    assert np.array_equal(np.asarray(post_f8, np.float64), np.asarray(want_f8, np.float64))
+    assert float(amax) == post[np.asarray(valid)].max() and post.max() > float(amax)  # padding left out
+
+    g = jnp.asarray(rng.normal(size=(T, D)), BF16)
+    dpre = np.asarray(m.pallas_mlp_dpre(g, w2, jnp.asarray(post, BF16)), np.float64)
+    c64 = bf16(np.asarray(g, np.float64) @ np.asarray(w2, np.float64).T)
+    dpre64 = 2 * c64 * np.sqrt(post)
+    assert np.all(np.abs(dpre - dpre64) <= 3 * 2.0**-8 * np.abs(dpre64))
+
+    # the whole MLP, forward and backward, through both paths
+    def run(impl):
+        def f(x, w1, w2):
+            out, amax = m.mlp_fp8(x, w1, w2, w2_scale, act_scale, valid, impl)
+            return jnp.sum(out.astype(F32) * g.astype(F32)), (out, amax)
+        (_, aux), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(x, w1, w2)
+        return [np.asarray(a, np.float64) for a in (*aux, *grads)]
+
+    for name, a, b in zip(["out", "amax", "dx", "dw1", "dw2"], run("pallas"), run("xla")):
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), name
+
+
 def test_init_draws_the_references_distributions_and_zeros():
     p = m.init_params(SMALL, seed=0)
     D = SMALL.model_dim

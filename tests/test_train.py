@@ -57,6 +57,21 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_low
         (tg.RANKS, 128), tg.jnp.int32)] * 2, *tg.step_inputs(0, hp), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
     jaxpr = str(tg.make_train_step(hp, tg.make_mesh()).trace(*args).jaxpr)
     assert "while[" not in jaxpr and jaxpr.count("scan[") >= 20
+    assert hp.mlp == "xla" and "mlp_up" not in jaxpr and "mlp_dpre" not in jaxpr  # --mlp pallas: the test below
+
+
+def test_mlp_pallas_puts_the_fused_kernels_in_every_layer_of_the_train_program(tiny_hp):
+    """--mlp pallas reaches each layer's FP8 MLP in the train step: 11 up-projection kernels in the
+    forward and 11 dpre kernels in the backward (traced, not compiled; --mlp xla: the test above)."""
+    w = tg.init_params(tiny_hp, 0)
+    params, buffers = tg.trainable(w, tiny_hp), {k: w[k] for k in tg.buffer_shapes(tiny_hp)}
+    args = (params, buffers, tg.init_optimizer_state(params, tiny_hp), tg.fp8_state(w), *[tg.jax.ShapeDtypeStruct(
+        (tg.RANKS, 128), tg.jnp.int32)] * 2, *tg.step_inputs(0, tiny_hp),
+        tg.jnp.asarray(tg.prefix_table(tiny_hp.padded_vocab)))
+    jaxpr = str(tg.make_train_step(tg.dataclasses.replace(tiny_hp, mlp="pallas"), tg.make_mesh()).trace(*args).jaxpr)
+    # (each kernel twice: Triton for CUDA, interpreted elsewhere; the first counted)
+    for name in ("mlp_up", "mlp_dpre"):
+        assert len(re.findall(rf"interpret=False\s+jaxpr={name}\d*\s", jaxpr)) == tg.NUM_LAYERS, name
 
 
 def test_compile_steps_compiles_every_program_at_once_and_keeps_each_by_its_shape(monkeypatch):

@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from bench import parse_sweep, source_of  # noqa: E402
+from bench import parse_sweep, source_of, tuning_name  # noqa: E402
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
@@ -256,8 +256,9 @@ def traffic_lines(text: str, top: int) -> list:
     return lines
 
 
-def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0) -> list:
-    hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, compile_cache_dir="")
+def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0, mlp: str = "xla") -> list:
+    hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, mlp=mlp, compile_cache_dir="")
+    mlp_gemms = 2 * tg.NUM_LAYERS if mlp == "xla" else tg.NUM_LAYERS  # pallas: the up projections are kernels
     rows = []
     for name, lowered, chunk, is_train in record_programs(hp, mesh, which):
         t0, notes = time.perf_counter(), []
@@ -268,7 +269,8 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0)
         # donated arguments come back as outputs in the same buffers (alias): count them once
         total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                  + memory.temp_size_in_bytes)
-        lines = [f"{impl:6s} {name:26s} compile {seconds:5.1f}s  arguments {memory.argument_size_in_bytes / GIB:5.2f} "
+        lines = [f"{impl:6s} {name:26s}{' mlp pallas' if mlp == 'pallas' else ''} compile {seconds:5.1f}s  "
+                 f"arguments {memory.argument_size_in_bytes / GIB:5.2f} "
                  f"GiB, temporaries {memory.temp_size_in_bytes / GIB:5.2f} GiB, in all {total / GIB:5.2f} of "
                  f"{H100_MEMORY / GIB:.1f} GiB"]
         extra = head_logit_passes(text, hp.padded_vocab, math.gcd(chunk, tg.LOSS_CHUNK))
@@ -276,9 +278,9 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0)
                                   "GEMM and gradient only" if is_train else "GEMM only")  # validation has no gradient
         if is_train:
             sites, problems = fp8_gemm_problems(text, hp.padded_vocab)
-            mlp = fp8_mlp_gemms(text, 4 * hp.model_dim)
+            gemms = fp8_mlp_gemms(text, 4 * hp.model_dim)
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
-                         + f", {len(mlp)} MLP GEMMs" + ("" if len(mlp) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
+                         + f", {len(gemms)} MLP GEMMs" + ("" if len(gemms) >= mlp_gemms else f" (fewer than {mlp_gemms})")
                          + f"; {head}")
             lines += traffic_lines(text, top) if top else []
         else:
@@ -286,7 +288,8 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0)
         kernels = kernel_sources(text)
         lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
         if hlo_dir:
-            with open(os.path.join(hlo_dir, f"{impl}_{name.replace(' ', '_')}.hlo.txt"), "w") as f:
+            with open(os.path.join(hlo_dir, f"{impl}{'_mlp_pallas' if mlp == 'pallas' else ''}_"
+                                   f"{name.replace(' ', '_')}.hlo.txt"), "w") as f:
                 f.write(text)
         rows.append("\n".join(lines))
         print(rows[-1], flush=True)
@@ -295,7 +298,8 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0)
 
 def sweep_rows(mesh, configs: list) -> list:
     """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
-    forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv."""
+    forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv;
+    the MLP's kernels on the chunk's tokens at the record's width for up and dpre."""
     hp = tg.PRESETS["record"]
     T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
     rep = NamedSharding(mesh, P())
@@ -303,21 +307,29 @@ def sweep_rows(mesh, configs: list) -> list:
     lse = jax.ShapeDtypeStruct((tg.NUM_HEADS, T), tg.F32, sharding=rep)
     docs, window = (jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep) for s in ((T,), ()))
     scale = jax.ShapeDtypeStruct((), tg.F32, sharding=rep)
+    D, F = hp.model_dim, 4 * hp.model_dim
+    f8, bf16, f32 = ((lambda *shape, t=t: jax.ShapeDtypeStruct(shape, t, sharding=rep)) for t in (tg.E4M3, tg.BF16, tg.F32))
     rows = []
     for kernel, tuning in configs:
         if kernel == "fwd":
             fn, args = (lambda q, k, v, d, w, s, t=tuning: tg._pallas_forward(q, k, v, d, w, s, t)), (x, x, x, docs)
-        else:
+        elif kernel in ("dq", "dkv"):
             knobs = {"dq_tuning": tuning} if kernel == "dq" else {"dkv_tuning": tuning}
             fn = lambda q, k, v, d, o, l, g, w, s, kw=knobs: tg._pallas_backward(q, k, v, d, w, s, o, l, g, **kw)  # noqa: E731
             args = (x, x, x, docs, x, lse, x)
-        in_specs = (P(),) * (len(args) + 2)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
+        elif kernel == "up":
+            fn = lambda x8, w8, dq, act, valid, t=tuning: tg.pallas_mlp_up(x8, w8, dq, act, valid, t)  # noqa: E731
+            args = (f8(T, D), f8(F, D), f32(), f32(), jax.ShapeDtypeStruct((T,), jnp.bool_, sharding=rep))
+        else:
+            fn, args = (lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)), (bf16(T, D), bf16(F, D), bf16(T, F))
+        args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()
+        in_specs = (P(),) * len(args)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
-        name = f"{kernel}:{tuning.tile}/{tuning.num_warps}/{tuning.num_stages}"
+        name = tuning_name(kernel, tuning)
         try:
             notes = []
             with ptxas_notes(notes):
-                program.lower(*args, window, scale).compile()
+                program.lower(*args).compile()
             rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills"))
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
             rows.append(f"{name:14s} FAILS: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -328,6 +340,7 @@ def sweep_rows(mesh, configs: list) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="xla,pallas", help="comma-separated implementations (default both)")
+    parser.add_argument("--mlp", default="xla", choices=("xla", "pallas"), help="train_gpt.py's --mlp (default xla)")
     parser.add_argument("--programs", default="all", choices=("all", "last", "none"),
                         help="all: each stage shape's train program and validation; last: the last stage's train "
                              "program; none: only --sweep")
@@ -350,8 +363,8 @@ def main(argv=None) -> int:
     mesh = h100_mesh()
     print(f"compile-only NVIDIA H100 (sm_90), jax {jax.__version__}, record preset; compile times on "
           f"{os.cpu_count()} CPU cores, without autotuning", flush=True)
-    rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(mesh, impl, args.programs,
-                                                                                   args.hlo_dir, args.traffic)]
+    rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(
+        mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp)]
     rows += sweep_rows(mesh, configs)
     return 1 if any("PROBLEMS" in r or "fewer than" in r or "FAILS" in r for r in rows) else 0
 
