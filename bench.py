@@ -285,22 +285,25 @@ def attention_kernel_rows(table, hp, impl, docs_T, windows, rng, repeats):
 
 
 def block_part_rows(table, hp, params, inputs_T, targets_T, rng, repeats):
-    """One FP8 MLP (layer 0's weights, activation scale 1) per --mlp implementation, and the FP8 head + loss."""
+    """One FP8 MLP (layer 0's weights, activation scale 1) per --mlp implementation, and the FP8 head + loss
+    per --head implementation."""
     T, D = len(inputs_T), hp.model_dim
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
     w1, w2 = params["mlp_bank"][0, 0], params["mlp_bank"][0, 1]
     w_scale = tg.measured_scale(w2) * np.float32(tg.MLP_WEIGHT_HEADROOM)
     valid = jnp.ones(T, bool)
-    for impl in tg.MLP_IMPLEMENTATIONS:
+    for impl in tg.GEMM_IMPLEMENTATIONS:
         time_part(table, f"MLP fp8 (one layer) {impl}",
                   lambda x, w1, w2, impl=impl: tg.mlp_fp8(x, w1, w2, w_scale, jnp.float32(1.0), valid, impl)[0],
                   (x, w1, w2), 3, rng, repeats, tokens=T, flops=6 * 8 * D * D * T)
     mtp, pw = tg.loss_weights(0, hp)
     prefix = tg.prefix_targets(jnp.asarray(tg.prefix_table(hp.padded_vocab)), jnp.asarray(targets_T))
     cols, ws, total = tg._loss_targets(jnp.asarray(targets_T), jnp.asarray(mtp), prefix, pw, hp.padded_vocab)
-    time_part(table, "head + loss fp8 (MTP, prefix)",
-              lambda h, w: tg.train_head_loss(h, w, cols, ws, total)[0], (x, params["lm_head.weight"]), 2, rng,
-              repeats, tokens=T, flops=6 * hp.padded_vocab * D * T, note="gradient built in the forward")
+    for impl in tg.GEMM_IMPLEMENTATIONS:
+        time_part(table, f"head + loss fp8 (MTP, prefix) {impl}",
+                  lambda h, w, impl=impl: tg.train_head_loss(h, w, cols, ws, total, impl)[0],
+                  (x, params["lm_head.weight"]), 2, rng, repeats, tokens=T, flops=6 * hp.padded_vocab * D * T,
+                  note="gradient built in the forward")
 
 
 def optimizer_rows(table, hp, mesh, params, rng, repeats):
@@ -317,9 +320,11 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
               compile_s=compile_s, devices=mesh.size, note="FLOPs: Polar Express only (the rest is elementwise)")
 
 
-def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats, attention):
+def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
     """The model's loss and gradients for one chunk at each stage shape (training, FP8), its windows
-    and schedule values; one compile per shape."""
+    and schedule values, with hp's attention, MLP and head implementations; one compile per shape."""
+    attention = hp.attention
+    named = "".join(f" {part} pallas" for part, impl in (("mlp", hp.mlp), ("head", hp.head)) if impl == "pallas")
     trainable = tg.trainable(params, hp)
     buffers = {k: v for k, v in params.items() if k not in trainable}
     prefix_V = jnp.asarray(tg.prefix_table(hp.padded_vocab))
@@ -336,12 +341,12 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats, attention):
             a = tg.with_max_diagonals(a, bounds)
             return jax.value_and_grad(lambda p: tg.sequence_loss(
                 {**buffers, **p}, inputs, targets, a, True, scales, tg.prefix_targets(prefix_V, targets),
-                attention)[0])(p)
+                attention, hp.mlp, hp.head)[0])(p)
 
         compiled, compile_s = compile_timed(jax.jit(loss_and_grads), trainable, inputs, targets, a)
         sec = seconds_per_call(compiled, (trainable, inputs, targets, a), repeats)
         docs = documents(inputs_RxT[:1, :T], hp.bos_id)
-        table.add(f"model fwd+bwd {attention} stage {tg.stage_of(first, hp)[0]} T={T} W={short}/{long}", sec,
+        table.add(f"model fwd+bwd {attention}{named} stage {tg.stage_of(first, hp)[0]} T={T} W={short}/{long}", sec,
                   tokens=T, flops=model_flops(hp, docs, short, long), compiled=compiled, compile_s=compile_s)
 
 
@@ -656,7 +661,7 @@ def run_suite(hp, preset, args):
     table, errors = Table(args.peak_tflops), []
     device = jax.devices()[0]
     result = {"device": f"{mesh.size} x {device.device_kind} ({device.platform})", "jax": jax.__version__,
-              "preset": preset, "attention": hp.attention, "mlp": hp.mlp, "model_dim": hp.model_dim,
+              "preset": preset, "attention": hp.attention, "mlp": hp.mlp, "head": hp.head, "model_dim": hp.model_dim,
               "vocab": hp.padded_vocab,
               "stages": [dataclasses.asdict(s) for s in hp.stages], "chunks_per_device": tg.RANKS // mesh.size,
               "peak_tflops": args.peak_tflops, "attention_implementations": sorted(tg.ATTENTION), "errors": errors}
@@ -667,7 +672,7 @@ def run_suite(hp, preset, args):
     params = tg.init_params(hp, 0)  # the model and its parts run on one device
     T_max = max(s.batch_size for s in hp.stages) // tg.RANKS
     inputs, targets = sample_chunks(rng, hp, 1, T_max)
-    guarded(errors, "model", model_rows, table, hp, params, inputs, targets, args.repeats, hp.attention)
+    guarded(errors, "model", model_rows, table, hp, params, inputs, targets, args.repeats)
     guarded(errors, "MLP and head", block_part_rows, table, hp, params, inputs[0], targets[0], rng, args.repeats)
     last = tg.stage_bounds(hp)[-2][0]  # the last scheduled stage: the largest chunk
     T = tg.stage_shape(last, hp)[0]
@@ -687,7 +692,7 @@ def report_lines(result: dict, table: Table) -> list:
     stages = ", ".join(f"{s['batch_size']:,}" for s in result["stages"])
     out = [f"bench suite: preset {result['preset']} (d={result['model_dim']}, vocab {result['vocab']:,}), batches "
            f"[{stages}] tokens as 8 chunks ({result['chunks_per_device']} per device), attention "
-           f"{result['attention']}, mlp {result['mlp']}, {result['device']}, jax {result['jax']}"]
+           f"{result['attention']}, mlp {result['mlp']}, head {result['head']}, {result['device']}, jax {result['jax']}"]
     if result["compile"]:
         c, m, t = result["compile"], result["memory"], result["train_step"]
         peak = "n/a" if m["peak_mib"] is None else f"{m['peak_mib']:,.0f} MiB"
@@ -715,7 +720,7 @@ def report_lines(result: dict, table: Table) -> list:
 # The Pallas kernels' tuning sweep: one row per configuration
 
 
-ATTENTION_KERNELS, MLP_KERNELS = ("fwd", "dq", "dkv"), ("up", "dpre")
+ATTENTION_KERNELS, GEMM_KERNELS = ("fwd", "dq", "dkv"), ("up", "dpre", "head")
 
 
 def parse_sweep(text: str) -> list:
@@ -731,7 +736,7 @@ def parse_sweep(text: str) -> list:
                 raise ValueError
             if kernel in ATTENTION_KERNELS:
                 configs.append((kernel, tg.KernelTuning(int(tile), warps, stages)))
-            elif kernel in MLP_KERNELS:
+            elif kernel in GEMM_KERNELS:
                 rows, cols, depth = (int(v) for v in tile.split("x"))
                 if min(rows, cols, depth) < 16 or any(n & (n - 1) for n in (rows, cols, depth)):
                     raise ValueError
@@ -740,32 +745,38 @@ def parse_sweep(text: str) -> list:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--sweep item {item!r}: write KERNEL:TILE/WARPS/STAGES with KERNEL fwd, dq or dkv "
-                             f"(attention; TILE 16, 32, 64 or 128, e.g. fwd:128/8/2) or up or dpre (the MLP's "
-                             f"kernels; TILE ROWSxCOLSxDEPTH, powers of two from 16, e.g. up:128x256x128/8/3)") from None
+                             f"(attention; TILE 16, 32, 64 or 128, e.g. fwd:128/8/2) or up, dpre or head (the MLP's "
+                             f"and the head's GEMMs; TILE ROWSxCOLSxDEPTH, powers of two from 16, e.g. "
+                             f"up:128x256x128/8/3)") from None
     return configs
 
 
 def tuning_name(kernel, tuning) -> str:
     """A sweep item's name as --sweep writes it."""
-    if kernel in MLP_KERNELS:
+    if kernel in GEMM_KERNELS:
         return f"{kernel}:{tuning.rows}x{tuning.cols}x{tuning.depth}/{tuning.num_warps}/{tuning.num_stages}"
     return f"{kernel}:{tuning.tile}/{tuning.num_warps}/{tuning.num_stages}"
 
 
-def mlp_sweep_inputs(rng, T, D):
-    """The MLP kernels' operands at T tokens of width D: (up's, dpre's) argument tuples."""
-    F = 4 * D
-    x_f8, w1_f8 = (jnp.asarray(rng.uniform(-448, 448, shape), jnp.float32).astype(tg.E4M3) for shape in ((T, D), (F, D)))
-    g, w2 = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((T, D), (F, D)))
-    post = jnp.asarray(rng.uniform(0, 4, (T, F)), jnp.bfloat16)
-    return (x_f8, w1_f8, jnp.float32(1e-5), jnp.float32(0.01), jnp.ones(T, bool)), (g, w2, post)
+def gemm_sweep_inputs(rng, hp, T):
+    """The GEMM kernels' operands at T tokens: {kernel: (function, arguments, FLOPs)}, the head's on one
+    loss chunk (LOSS_CHUNK rows at most, as the program calls it)."""
+    D, F, V = hp.model_dim, 4 * hp.model_dim, hp.padded_vocab
+    e4m3 = lambda *shape: jnp.asarray(rng.uniform(-448, 448, shape), jnp.float32).astype(tg.E4M3)  # noqa: E731
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    rows = min(T, tg.LOSS_CHUNK)
+    return {"up": (tg.pallas_mlp_up, (e4m3(T, D), e4m3(F, D), jnp.float32(1e-5), jnp.float32(0.01), jnp.ones(T, bool)),
+                   2 * T * D * F),
+            "dpre": (tg.pallas_mlp_dpre, (normal(T, D), normal(F, D), jnp.asarray(rng.uniform(0, 4, (T, F)), jnp.bfloat16)),
+                     2 * T * D * F),
+            "head": (tg.pallas_head_logits, (e4m3(rows, D), e4m3(V, D)), 2 * rows * D * V)}
 
 
 def sweep_rows(table, hp, configs, repeats):
     """Each configuration's kernel at the last stage's chunk (6 heads), at its short and long window:
     fwd alone for the forward kernel; the backward (dq and dk/dv kernels, the other at its default)
-    for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width. A
-    configuration that fails to compile or run is reported and the others go on."""
+    for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width, head on
+    one loss chunk of them. A configuration that fails to compile or run is reported and the others go on."""
     rng = np.random.default_rng(0)
     first = tg.stage_bounds(hp)[-2][0]
     T, H, K = tg.stage_shape(first, hp)[0], tg.NUM_HEADS, hp.head_dim
@@ -775,18 +786,17 @@ def sweep_rows(table, hp, configs, repeats):
     q, k, v, dout = (jnp.asarray(rng.standard_normal((T, H, K)), jnp.bfloat16) for _ in range(4))
     scale = jnp.float32(0.1)
     errors = []
-    up_args, dpre_args = mlp_sweep_inputs(rng, T, hp.model_dim) if any(k in MLP_KERNELS for k, _ in configs) else ((), ())
+    gemms = gemm_sweep_inputs(rng, hp, T) if any(k in GEMM_KERNELS for k, _ in configs) else {}
+    notes = {"up": "MLP up projection, FP8", "dpre": "MLP dpre, bf16", "head": "head logits + lse, FP8, one loss chunk"}
     for kernel, tuning in configs:
         name = f"pallas {tuning_name(kernel, tuning)}"
         try:
-            if kernel in MLP_KERNELS:  # one GEMM of T x D x 4D and its epilogue
-                fn = (jax.jit(lambda *a, t=tuning: tg.pallas_mlp_up(*a, tuning=t)) if kernel == "up"
-                      else jax.jit(lambda *a, t=tuning: tg.pallas_mlp_dpre(*a, tuning=t)))
-                args = up_args if kernel == "up" else dpre_args
-                compiled, compile_s = compile_timed(fn, *args)
+            if kernel in GEMM_KERNELS:  # one GEMM and its epilogue
+                kernel_fn, args, flops = gemms[kernel]
+                compiled, compile_s = compile_timed(jax.jit(lambda *a, f=kernel_fn, t=tuning: f(*a, tuning=t)), *args)
                 sec = seconds_per_call(compiled, args, repeats)
-                table.add(name, sec, tokens=T, flops=2 * T * hp.model_dim * 4 * hp.model_dim, compiled=compiled,
-                          compile_s=compile_s, note="MLP up projection, FP8" if kernel == "up" else "MLP dpre, bf16")
+                table.add(name, sec, tokens=len(args[0]), flops=flops, compiled=compiled, compile_s=compile_s,
+                          note=notes[kernel])
                 continue
             # the arrays are arguments, not constants baked into the program
             if kernel == "fwd":
@@ -821,7 +831,7 @@ def model_mode(hp, args):
     T_max = max(s.batch_size for s in hp.stages) // tg.RANKS
     inputs, targets = sample_chunks(rng, hp, 1, T_max)
     table = Table(args.peak_tflops)
-    model_rows(table, hp, tg.init_params(hp, 0), inputs, targets, args.repeats, hp.attention)
+    model_rows(table, hp, tg.init_params(hp, 0), inputs, targets, args.repeats)
     return table
 
 
@@ -852,16 +862,20 @@ def parse_args(argv=None):
     mode.add_argument("--suite", action="store_true", help="the whole picture: compile, train steps, model, parts")
     mode.add_argument("--sweep", metavar="CONFIGS", help="the Pallas kernels' tuning: KERNEL:TILE/WARPS/STAGES items, "
                       "comma-separated: attention KERNEL fwd, dq or dkv, TILE 16-128, each timed at the last stage's "
-                      "windows; the MLP's KERNEL up or dpre, TILE ROWSxCOLSxDEPTH, timed on the last stage's chunk; "
-                      "e.g. fwd:128/8/2,dq:64/8/2,dkv:32/8/3,up:128x256x128/8/3,dpre:128x128x64/4/4")
+                      "windows; the GEMM kernels' KERNEL up, dpre (the MLP's) or head, TILE ROWSxCOLSxDEPTH, timed on "
+                      "the last stage's chunk (head: a loss chunk of it); e.g. fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,"
+                      "dpre:128x128x64/4/4,head:128x128x128/8/3")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--attention", default="auto", choices=["auto", *sorted(tg.ATTENTION)],
                         help="attention implementation of the model, as in train_gpt.py (default auto: pallas on "
                         "GPUs, xla elsewhere)")
-    parser.add_argument("--mlp", default="xla", choices=tg.MLP_IMPLEMENTATIONS,
+    parser.add_argument("--mlp", default="xla", choices=tg.GEMM_IMPLEMENTATIONS,
                         help="the FP8 MLP's implementation in the model, as in train_gpt.py (default xla; the suite's "
                         "one-layer MLP rows time each)")
+    parser.add_argument("--head", default="xla", choices=tg.GEMM_IMPLEMENTATIONS,
+                        help="the FP8 head's implementation in the model, as in train_gpt.py (default xla; the suite's "
+                        "head rows time each)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median; default 3)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU (default 989)")
     parser.add_argument("--profile", metavar="DIR", help="trace train steps of the last stage into DIR and list the top "
@@ -910,7 +924,7 @@ def main(argv=None) -> int:
                 raise OSError(f"--out {args.out}: cannot write a file there")
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "tiny")
         hp = dataclasses.replace(PRESETS[preset], attention=tg.auto_attention() if args.attention == "auto"
-                                 else args.attention, mlp=args.mlp)
+                                 else args.attention, mlp=args.mlp, head=args.head)
         if args.stage is not None and not 0 <= args.stage < len(hp.stages):
             raise ValueError(f"--stage {args.stage}: preset {preset} has stages 0 to {len(hp.stages) - 1}")
         if (args.suite or args.profile) and tg.RANKS % jax.device_count():
@@ -937,10 +951,10 @@ def main(argv=None) -> int:
     elif args.profile:
         tg.enable_compile_cache(args.compile_cache_dir)  # before anything compiles: JAX reads the setting once
         result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                  "attention": hp.attention, "mlp": hp.mlp, **profile_mode(hp, args)}
+                  "attention": hp.attention, "mlp": hp.mlp, "head": hp.head, **profile_mode(hp, args)}
         got = "loaded from the persistent compile cache" if result["loaded_from_cache"] else "compiled alone"
         lines = [f"profile: preset {preset}, stage {result['stage']}'s train program (chunks of {result['chunk']:,}, "
-                 f"{result['mtp_terms']} MTP weights, attention {hp.attention}, mlp {hp.mlp}) {got} in "
+                 f"{result['mtp_terms']} MTP weights, attention {hp.attention}, mlp {hp.mlp}, head {hp.head}) {got} in "
                  f"{result['compile_s']:.1f}s, {result['device']}, jax {jax.__version__}", *profile_lines(result["profile"])]
     else:
         table = model_mode(hp, args)

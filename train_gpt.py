@@ -58,7 +58,7 @@ NUM_LAYERS = 11  # the layer layout below (paired, XSA, gates, MUDD, DC) is writ
 NUM_HEADS = 6
 RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever the device count
 E4M3_MAX = 448.0
-MLP_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp: the FP8 MLP's up projection and backward dpre (mlp_fp8)
+GEMM_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp, --head: GEMMs with their epilogues in XLA or Pallas kernels
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
 
 
@@ -97,6 +97,7 @@ class Hyperparameters:
     attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU);
     # the command line's default, auto, picks pallas on GPUs (auto_attention)
     mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" or "pallas" (fused epilogues; not yet timed)
+    head: str = "xla"  # the FP8 head's logits and log-sum-exp: "xla" or "pallas" (one kernel; not yet timed)
     bigram_vocab_size: int = 50304 * 15 // 2  # hash buckets; the last one is position 0's
     bigram_sign_rows: int = 8192
     # schedule
@@ -135,7 +136,8 @@ class Hyperparameters:
             (0 < self.cooldown_frac <= 1, f"--cooldown-frac {self.cooldown_frac} must be in (0, 1]"),
             (len(self.stages) == 4, "four stages: three scheduled thirds and the extension"),
             (self.attention in ("xla", "pallas"), f"--attention {self.attention!r}: choose xla or pallas"),
-            (self.mlp in MLP_IMPLEMENTATIONS, f"--mlp {self.mlp!r}: choose xla or pallas"),
+            (self.mlp in GEMM_IMPLEMENTATIONS, f"--mlp {self.mlp!r}: choose xla or pallas"),
+            (self.head in GEMM_IMPLEMENTATIONS, f"--head {self.head!r}: choose xla or pallas"),
             (0 <= self.bos_id < self.vocab_size,
              f"--bos-id {self.bos_id} must be a token id below --vocab-size {self.vocab_size}"),
             *[(s.batch_size % (8 * 16) == 0 and s.max_seq_len > 0,
@@ -966,21 +968,25 @@ def _capped_lse(z):
     return np.float32(SOFTCAP_A) + jnp.log(jnp.sum(jnp.exp(z - np.float32(SOFTCAP_A)), axis=-1))
 
 
-def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
+def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
     T, V = x_TxD.shape[0], w_DxV.shape[1]
     x_f8 = (f32(x_TxD) / np.float32(LM_HEAD_X_S)).astype(E4M3)
     w_f8 = (f32(w_DxV) / np.float32(LM_HEAD_W_S)).astype(E4M3)
+    w_f8_VxD = w_f8.T if impl == "pallas" else None  # the kernel reads both operands along D
     coef = np.float32(1.0) * (np.float32(1.0) / np.float32(SOFTCAP_C) * np.float32(SOFTCAP_A)) * (
         np.float32(1.0) / np.float32(LM_HEAD_GRAD_S))
 
     def chunk(args):
         x8, cols, ws, total = args
-        # Two passes read the (T, V) bf16 logits u, normaliser then gradient, each computing the sigmoid
-        # anew: u passed twice through one barrier keeps XLA's GPU compiler from computing it once into
-        # an fp32 (T, V) array that both passes read (tests/gpu/aot.py's estimate: 15 -> 9 bytes per logit)
-        u = _fp8_logits(x8, w_f8)
-        u_norm, u_grad = jax.lax.optimization_barrier((u, u))
-        lse = _capped_lse(np.float32(SOFTCAP_A) * _softcap_sig(u_norm))
+        if impl == "pallas":  # the normaliser from the GEMM's epilogue; one pass reads u, the gradient's
+            u_grad, lse = pallas_head_logits(x8, w_f8_VxD)
+        else:
+            # Two passes read the (T, V) bf16 logits u, normaliser then gradient, each computing the sigmoid
+            # anew: u passed twice through one barrier keeps XLA's GPU compiler from computing it once into
+            # an fp32 (T, V) array that both passes read (tests/gpu/aot.py's estimate: 15 -> 9 bytes per logit)
+            u = _fp8_logits(x8, w_f8)
+            u_norm, u_grad = jax.lax.optimization_barrier((u, u))
+            lse = _capped_lse(np.float32(SOFTCAP_A) * _softcap_sig(u_norm))
         zt = np.float32(SOFTCAP_A) * _softcap_sig(jnp.take_along_axis(u_grad, cols, axis=1))
         losses = jnp.sum(ws * (lse[:, None] - zt), axis=1)
         # the target columns' weights, summed where columns coincide: elementwise, not a scatter, so
@@ -1000,19 +1006,20 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
     return losses.reshape(T), jax.lax.bitcast_convert_type(g_bytes, E5M2).reshape(T, V), x_f8, w_f8
 
 
-@jax.custom_vjp
-def train_head_loss(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
-    """(sum of per-token losses, per-token losses) of the fused FP8 head; differentiate the sum."""
-    losses = _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def train_head_loss(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
+    """(sum of per-token losses, per-token losses) of the fused FP8 head; differentiate the sum. impl:
+    xla, or pallas (the logits and their log-sum-exp from one kernel; the same values)."""
+    losses = _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl)[0]
     return jnp.sum(losses), losses
 
 
-def _train_head_vjp_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T):
-    losses, g, x_f8, w_f8 = _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T)
+def _train_head_vjp_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
+    losses, g, x_f8, w_f8 = _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl)
     return (jnp.sum(losses), losses), (g, x_f8, w_f8)
 
 
-def _train_head_vjp_bwd(res, ct):
+def _train_head_vjp_bwd(impl, res, ct):
     g, x_f8, w_f8 = res
     ct_sum = ct[0]  # the per-token losses are for logging: their cotangent is ignored
     gs = np.float32(LM_HEAD_GRAD_S)
@@ -1088,7 +1095,7 @@ def fp8_mlp_scales(params: dict, step: int, hp: Hyperparameters, slot: int = 0):
 
 
 def sequence_loss(p: dict, inputs_T, targets_T, a: dict, training: bool, mlp_scales=None, prefix_T=None,
-                  attention_impl: str = "xla", mlp_impl: str = "xla"):
+                  attention_impl: str = "xla", mlp_impl: str = "xla", head_impl: str = "xla"):
     """Per-token losses of one sequence (and the sum backward starts from, and the MLP amaxes).
     Targets < 0 mark padding (loss_fn's): no loss, and left out of the FP8 amaxes."""
     a = {**a, "docs": jnp.cumsum(inputs_T == a["bos"], dtype=jnp.int32),  # a BOS opens a document
@@ -1098,7 +1105,7 @@ def sequence_loss(p: dict, inputs_T, targets_T, a: dict, training: bool, mlp_sca
         losses = eval_head_loss(h, p["lm_head.weight"], targets_T)
         return jnp.sum(losses), losses, amax
     cols, ws, total = _loss_targets(targets_T, a["mtp"], prefix_T, a["prefix_w"], p["lm_head.weight"].shape[1])
-    loss_sum, losses = train_head_loss(h, p["lm_head.weight"], cols, ws, total)
+    loss_sum, losses = train_head_loss(h, p["lm_head.weight"], cols, ws, total, head_impl)
     return loss_sum, jax.lax.stop_gradient(losses), amax
 
 
@@ -1465,14 +1472,18 @@ pallas_window_attention.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 ATTENTION = {"xla": window_attention, "pallas": pallas_window_attention}  # --attention: the same rule
 
 
-# --- the MLP's GEMMs with their epilogues as fused Pallas kernels (Triton on GPUs) ---------------
-# The reference's linear_relu_square kernel, in two uses: the FP8 up projection writes post = relu(pre)²
-# in bf16, its e4m3 copy for the down projection and the max of post, from one GEMM tile each; the
-# backward's g·W2ᵀ writes dpre = 2·c·sqrt(post) straight from its accumulator. XLA's GPU compiler
-# keeps these epilogues apart from its GEMMs (tests/gpu/aot.py on the record's last stage: the up
-# projection's GEMM writes relu(pre), one pass squares it into post and takes its max, another its
-# e4m3 copy: 9 bytes an element of post where the kernel moves 3; the backward's c = g·W2ᵀ makes a
-# round trip of 4 more). The same values as the XLA path of mlp_fp8; --mlp chooses.
+# --- GEMMs with their epilogues as fused Pallas kernels (Triton on GPUs) ------------------------
+# The MLP (--mlp pallas): the reference's linear_relu_square kernel, in two uses: the FP8 up projection
+# writes post = relu(pre)² in bf16, its e4m3 copy for the down projection and the max of post, from
+# one GEMM tile each; the backward's g·W2ᵀ writes dpre = 2·c·sqrt(post) straight from its
+# accumulator. XLA's GPU compiler keeps these epilogues apart from its GEMMs (tests/gpu/aot.py on the
+# record's last stage: the up projection's GEMM writes relu(pre), one pass squares it into post and
+# takes its max, another its e4m3 copy: 9 bytes an element of post where the kernel moves 3; the
+# backward's c = g·W2ᵀ makes a round trip of 4 more). The same values as mlp_fp8's XLA path.
+# The head (--head pallas): the FP8 logit GEMM writes the bf16 logits u and, per tile of columns, each
+# row's sum of exp(z - A) for the log-sum-exp, so that the loss needs one pass over u (the gradient's)
+# instead of two; and its output is bf16 whatever GEMM kernel XLA's autotuning would pick (cuBLASLt
+# writes fp32, converted in a pass of its own: measured on an H200, 2026-11-26).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1508,7 +1519,37 @@ def _gemm_nt(a_ref, b_ref, depth):
     return jax.lax.fori_loop(0, a_ref.shape[1] // depth, step, jnp.zeros((a_ref.shape[0], b_ref.shape[0]), F32))
 
 
-def _mlp_up_kernel(scales_ref, valid_ref, x_ref, w_ref, post_ref, post_f8_ref, amax_ref, *, depth):
+class _GemmGrid:
+    """The launch grid of a GEMM kernel over output tiles (i, j) of t.rows x t.cols, and its block
+    specs: A's rows i (M x K), B's rows j (N x K), whole in K (the kernel loops over it), and output
+    blocks of any shape at (i, j). Triton launches the grid's first axis fastest: `by_rows` puts the
+    row tiles first, so that the programs running together share B's tile (the head: B, 50,304 rows,
+    is larger than the L2, A's loss chunk is small); otherwise the column tiles go first and share A's
+    (the MLP: each row tile of x or g, read once, the weight stays in the L2). Every Pallas GEMM here
+    takes A and B first (tests/test_gpu.py reads them as the GEMM's operands)."""
+
+    def __init__(self, t: GemmTuning, M: int, N: int, K: int, by_rows: bool):
+        tiles = (M // t.rows, N // t.cols)
+        self.grid = tiles if by_rows else tiles[::-1]
+        self.ij = (lambda p, q: (p, q)) if by_rows else (lambda p, q: (q, p))
+        self.tiles = tiles
+        self.operands = [self.block((t.rows, K), lambda i, j: (i, 0)), self.block((t.cols, K), lambda i, j: (j, 0))]
+
+    def block(self, shape, index=lambda i, j: (i, j)):
+        """A block spec of `shape` at index(i, j) of the output tile (i, j) a program computes."""
+        return pl.BlockSpec(shape, lambda p, q: index(*self.ij(p, q)))
+
+
+def _bf16_rounded(x):
+    """fp32 x rounded to bf16's precision (to nearest, ties to even), kept fp32: on the bits, because
+    XLA drops a bf16 round trip inside a fused computation (interpret mode) and Pallas's Triton
+    lowering has no reduce_precision. For finite x."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def _mlp_up_kernel(x_ref, w_ref, scales_ref, valid_ref, post_ref, post_f8_ref, amax_ref, *, depth):
     post = _relu2(_gemm_nt(x_ref, w_ref, depth) * scales_ref[0])
     post_ref[...] = post
     post_f8_ref[...] = jnp.minimum(f32(post) * scales_ref[1], E4M3_MAX).astype(E4M3)
@@ -1516,26 +1557,24 @@ def _mlp_up_kernel(scales_ref, valid_ref, x_ref, w_ref, post_ref, post_f8_ref, a
 
 
 def _mlp_dpre_kernel(g_ref, w_ref, post_ref, dpre_ref, *, depth):
-    c = _gemm_nt(g_ref, w_ref, depth).astype(BF16)
-    dpre_ref[...] = (2 * f32(c) * jnp.sqrt(f32(post_ref[...]))).astype(BF16)
+    c = _bf16_rounded(_gemm_nt(g_ref, w_ref, depth))  # c = g·W2ᵀ in bf16, as the XLA path's GEMM writes it
+    dpre_ref[...] = (2 * c * jnp.sqrt(f32(post_ref[...]))).astype(BF16)
 
 
 def pallas_mlp_up(x_f8, w1_f8, dequant, act_scale, valid_T, tuning=PALLAS_MLP_UP):
-    """(post, post_f8, amax): post = relu(dequant·x_f8·w1_f8ᵀ)² in bf16, its e4m3 copy min(post/act_scale,
+    """(post, post_f8, amax): post = relu(dequant·x_f8·w1_f8ᵀ)² in bf16, its e4m3 copy min(post·(1/act_scale),
     448) and the max of post over the valid rows, as _mlp_fp8_fwd computes them. T, F multiples of 16."""
     (T, D), F = x_f8.shape, w1_f8.shape[0]
     t = tuning.fit(T, F, D)
-    grid = (T // t.rows, F // t.cols)
-    tile = pl.BlockSpec((t.rows, t.cols), lambda i, j: (i, j))
-    call = _pallas(partial(_mlp_up_kernel, depth=t.depth), t, "mlp_up", grid=grid,
+    g = _GemmGrid(t, T, F, D, by_rows=False)
+    tile = g.block((t.rows, t.cols))
+    call = _pallas(partial(_mlp_up_kernel, depth=t.depth), t, "mlp_up", grid=g.grid,
                    out_shape=(jax.ShapeDtypeStruct((T, F), BF16), jax.ShapeDtypeStruct((T, F), E4M3),
-                              jax.ShapeDtypeStruct(grid, F32)),
-                   in_specs=[pl.BlockSpec((2,), lambda i, j: (0,)), pl.BlockSpec((t.rows,), lambda i, j: (i,)),
-                             pl.BlockSpec((t.rows, D), lambda i, j: (i, 0)),
-                             pl.BlockSpec((t.cols, D), lambda i, j: (j, 0))],
-                   out_specs=(tile, tile, pl.BlockSpec((1, 1), lambda i, j: (i, j))))
+                              jax.ShapeDtypeStruct(g.tiles, F32)),
+                   in_specs=[*g.operands, g.block((2,), lambda i, j: (0,)), g.block((t.rows,), lambda i, j: (i,))],
+                   out_specs=(tile, tile, g.block((1, 1))))
     scales = jnp.stack([jnp.asarray(dequant, F32), 1 / jnp.asarray(act_scale, F32)])
-    post, post_f8, amax_tiles = call(scales, valid_T.astype(jnp.int32), x_f8, w1_f8)
+    post, post_f8, amax_tiles = call(x_f8, w1_f8, scales, valid_T.astype(jnp.int32))
     return post, post_f8, jnp.max(amax_tiles)
 
 
@@ -1543,13 +1582,35 @@ def pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF, tuning=PALLAS_MLP_DPRE):
     """dpre = bf16(2·bf16(g·W2ᵀ)·sqrt(post)), as _mlp_bwd_bf16 computes it."""
     (T, D), F = g_TxD.shape, w2_FxD.shape[0]
     t = tuning.fit(T, F, D)
-    tile = pl.BlockSpec((t.rows, t.cols), lambda i, j: (i, j))
-    call = _pallas(partial(_mlp_dpre_kernel, depth=t.depth), t, "mlp_dpre", grid=(T // t.rows, F // t.cols),
-                   out_shape=jax.ShapeDtypeStruct((T, F), BF16),
-                   in_specs=[pl.BlockSpec((t.rows, D), lambda i, j: (i, 0)),
-                             pl.BlockSpec((t.cols, D), lambda i, j: (j, 0)), tile],
-                   out_specs=tile)
+    g = _GemmGrid(t, T, F, D, by_rows=False)
+    tile = g.block((t.rows, t.cols))
+    call = _pallas(partial(_mlp_dpre_kernel, depth=t.depth), t, "mlp_dpre", grid=g.grid,
+                   out_shape=jax.ShapeDtypeStruct((T, F), BF16), in_specs=[*g.operands, tile], out_specs=tile)
     return call(g_TxD, w2_FxD.astype(g_TxD.dtype), post_TxF)
+
+
+PALLAS_HEAD = GemmTuning(rows=128, cols=128, depth=128, num_warps=8, num_stages=3)  # 50,304 columns: 393 x 128
+
+
+def _head_logits_kernel(x_ref, w_ref, u_ref, sumexp_ref, *, depth):
+    u = (_gemm_nt(x_ref, w_ref, depth) * (np.float32(LM_HEAD_X_S) * np.float32(LM_HEAD_W_S))).astype(BF16)
+    u_ref[...] = u
+    inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
+    sig = _bf16_rounded(jax.nn.sigmoid(f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c))  # as _softcap_sig
+    sumexp_ref[...] = jnp.sum(jnp.exp(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
+
+
+def pallas_head_logits(x_f8_TxD, w_f8_VxD, tuning=PALLAS_HEAD):
+    """(u, lse): the FP8 head's bf16 logits u = bf16(x_f8·w_f8ᵀ·scales), as _fp8_logits (w as V x D), and
+    each row's log-sum-exp of the softcapped z = A·bf16(sigmoid((u + B)/C)), as _capped_lse of them."""
+    (T, D), V = x_f8_TxD.shape, w_f8_VxD.shape[0]
+    t = tuning.fit(T, V, D)
+    g = _GemmGrid(t, T, V, D, by_rows=True)
+    call = _pallas(partial(_head_logits_kernel, depth=t.depth), t, "head_logits", grid=g.grid,
+                   out_shape=(jax.ShapeDtypeStruct((T, V), BF16), jax.ShapeDtypeStruct((T, g.tiles[1]), F32)),
+                   in_specs=g.operands, out_specs=(g.block((t.rows, t.cols)), g.block((t.rows, 1))))
+    u, sumexp_TxJ = call(x_f8_TxD, w_f8_VxD)
+    return u, np.float32(SOFTCAP_A) + jnp.log(jnp.sum(sumexp_TxJ, axis=1))
 
 
 # -----------------------------------------------------------------------------
@@ -2058,7 +2119,7 @@ def next_act_scales(act_12, amax_11):
 
 
 def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla",
-                max_diagonals=None, mlp="xla"):
+                max_diagonals=None, mlp="xla", head="xla"):
     """This device's chunks one at a time: summed gradients (fp32) and losses, new activation scales.
     max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
     a = with_max_diagonals(a, max_diagonals)
@@ -2068,7 +2129,7 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
 
         def loss(p):
             s, losses, amax = sequence_loss({**buffers, **p}, x_T, y_T, a, True, (w_scales, act_12),
-                                            prefix_targets(prefix_V, y_T), attention, mlp)
+                                            prefix_targets(prefix_V, y_T), attention, mlp, head)
             return s, (losses, amax)
 
         (_, (losses, amax)), g = jax.value_and_grad(loss, has_aux=True)(params)
@@ -2092,7 +2153,7 @@ def make_train_step(hp: Hyperparameters, mesh):
     def train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V):
         w_scales = down_weight_scales(params["mlp_bank"], bootstrap, fp8["next_w"])
         bounds = max_diagonals(hp, (inputs_8xT.shape[1], a["mtp"].shape[0])) if hp.attention == "xla" else None
-        step = partial(device_step, attention=hp.attention, max_diagonals=bounds, mlp=hp.mlp)
+        step = partial(device_step, attention=hp.attention, max_diagonals=bounds, mlp=hp.mlp, head=hp.head)
         g, loss, act = jax.shard_map(step, **specs)(params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales,
                                                     prefix_V)
         grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
@@ -2564,7 +2625,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         say(f"preset {preset}: {hp.total_steps} steps ({hp.num_scheduled_iterations} scheduled + "
             f"{hp.num_extension_iterations} extension), stages at {[b[0] for b in stage_bounds(hp)]}, batch "
             f"{[s.batch_size for s in hp.stages]} tokens as 8 chunks, {mesh.size} device(s), "
-            f"{RANKS // mesh.size} chunk(s) per device per step, attention {hp.attention}, mlp {hp.mlp}; "
+            f"{RANKS // mesh.size} chunk(s) per device per step, attention {hp.attention}, mlp {hp.mlp}, head {hp.head}; "
             f"log {log.path if log else '-'}")
         if init_path:
             say(f"initial weights: {os.path.abspath(init_path)}")
@@ -2709,9 +2770,11 @@ def parse_args(argv=None):
             hyper.add_argument(flag, choices=("auto", "xla", "pallas"),
                                help="auto (default): pallas on GPUs, xla elsewhere")
             continue
-        if field.name == "mlp":
-            hyper.add_argument(flag, choices=MLP_IMPLEMENTATIONS, help="the FP8 MLP's up projection and backward dpre: "
-                               "XLA's GEMMs and passes (default), or Pallas kernels with fused epilogues")
+        if field.name in ("mlp", "head"):
+            what = {"mlp": "the FP8 MLP's up projection and backward dpre", "head": "the FP8 head's logits and their "
+                    "log-sum-exp"}[field.name]
+            hyper.add_argument(flag, choices=GEMM_IMPLEMENTATIONS, help=f"{what}: XLA's GEMMs and passes (default), or "
+                               "Pallas GEMM kernels with fused epilogues (interpreted, slowly, on CPU)")
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):

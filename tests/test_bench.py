@@ -1,6 +1,7 @@
 """bench.py: the analytic FLOP counts against independent references, the profile reader on hand-made
 traces, bad input, and the whole suite on CPU at the smoke shape (a subprocess); the profile alone
 on the tiny run's program."""
+import dataclasses
 import gzip
 import json
 import os
@@ -271,21 +272,41 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
 
 def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
     out = tmp_path / "sweep.txt"
-    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2",
-                       "--repeats", "1", "--out", str(out)]) == 0
+    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2,"
+                       "head:128x128x128/8/3", "--repeats", "1", "--out", str(out)]) == 0
     table, line = out.read_text().rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     hp = bench.PRESETS["smoke"]
     windows = sorted({int(w) for w in tg.windows(tg.stage_bounds(hp)[-2][0], hp)})
     assert set(result["rows"]) == {f"pallas {k} W={w}" for k in ("fwd:128/8/2", "dq:64/4/2") for w in windows} | {
-        "pallas up:128x256x128/8/3", "pallas dpre:64x64x32/4/2"}  # the MLP's: on the chunk's 128 tokens, d = 96
+        "pallas up:128x256x128/8/3", "pallas dpre:64x64x32/4/2", "pallas head:128x128x128/8/3"}  # 128 tokens, d 96
     assert result["errors"] == [] and all(row["ms"] > 0 and row["gflop"] > 0 for row in result["rows"].values())
     assert result["rows"]["pallas up:128x256x128/8/3"]["gflop"] == 2 * 128 * 96 * 384 / 1e9
+    assert result["rows"]["pallas head:128x128x128/8/3"]["gflop"] == 2 * 128 * 96 * hp.padded_vocab / 1e9
     for bad in ("fwd:100/8/2", "fwd:128/8", "attn:64/4/2", "dq:64/0/2", "up:128x256/8/3", "dpre:128x96x64/8/3",
                 "up:8x16x16/4/2"):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--sweep", bad])
         assert e.value.code == 2 and f"--sweep item {bad!r}" in capsys.readouterr().err
+
+
+def test_the_model_rows_run_the_presets_mlp_and_head_kernels(monkeypatch):
+    """bench.py --mlp/--head reach the model's rows: sequence_loss (a stand-in here, cheap to compile)
+    gets hp's choices, and the rows say them."""
+    seen = []
+
+    def stand_in(p, inputs, targets, a, training, scales, prefix, attention, mlp, head):
+        seen.append((attention, mlp, head))
+        return sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(p)), None, None
+
+    monkeypatch.setattr(tg, "sequence_loss", stand_in)
+    hp = dataclasses.replace(bench.PRESETS["smoke"], mlp="pallas", head="pallas")
+    inputs, targets = bench.sample_chunks(np.random.default_rng(0), hp, 1, hp.stages[-1].batch_size // tg.RANKS)
+    table = bench.Table(989.0)
+    bench.model_rows(table, hp, tg.init_params(hp, 0), inputs, targets, 1)
+    assert seen and set(seen) == {("xla", "pallas", "pallas")}
+    assert list(table.rows) and all(name.startswith("model fwd+bwd xla mlp pallas head pallas stage ")
+                                    for name in table.rows)
 
 
 def test_the_gpu_sessions_default_sweep_is_valid_sweep_syntax():
@@ -294,7 +315,7 @@ def test_the_gpu_sessions_default_sweep_is_valid_sweep_syntax():
     text = open(os.path.join(ROOT, "tests", "gpu", "session.sh")).read()
     items = ",".join(v.lstrip(",") for v in re.findall(r"^SWEEP_DEFAULT\+?=(\S+)$", text, re.M))
     kernels = {kernel for kernel, _ in bench.parse_sweep(items)}
-    assert kernels == set(bench.ATTENTION_KERNELS) | set(bench.MLP_KERNELS)
+    assert kernels == set(bench.ATTENTION_KERNELS) | set(bench.GEMM_KERNELS)
 
 
 # ---- the suite on CPU
@@ -321,7 +342,7 @@ def test_the_profile_alone_loads_a_stages_program_and_ranks_its_ops_and_lines(ti
     result = json.loads(line)
     assert tg.program_steps(bench.PRESETS["smoke"]) == [0]  # one program serves every stage: stage 0's
     assert table.startswith("profile: preset smoke, stage 2's train program (chunks of 128, 1 MTP weights, attention "
-                            "xla, mlp xla) loaded from the persistent compile cache in ")  # smoke = conftest's TINY_FLAGS
+                            "xla, mlp xla, head xla) loaded from the persistent compile cache in ")  # smoke: TINY_FLAGS
     assert result["loaded_from_cache"] and result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (2, 128)
     profile = result["profile"]
     assert profile["steps"] == bench.PROFILE_STEPS and profile["trace"].startswith(str(tmp_path / "trace"))
@@ -367,7 +388,7 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
     windows = sorted({tuple(int(w) for w in tg.windows(first, hp)) for first, _ in tg.stage_bounds(hp)})
     assert len(windows) == 4  # every stage's windows, although one program serves them
     expected = ["validation step (final windows)", "MLP fp8 (one layer) xla", "MLP fp8 (one layer) pallas",
-                "head + loss fp8 (MTP, prefix)",
+                "head + loss fp8 (MTP, prefix) xla", "head + loss fp8 (MTP, prefix) pallas",
                 "optimizer step (NorMuon + Adam)", "train step stage 0 (synced) W=128/384",
                 "train step stage 0 (pipelined) W=128/384", "model fwd+bwd xla stage 0 T=128 W=128/384"]
     for impl in tg.ATTENTION:

@@ -211,6 +211,9 @@ def case_hlo(preset: str, T: int, out_file: str) -> dict:
 F8_TYPES = ("f8e4m3fn", "f8e5m2")
 CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cudnn$fusion")
+# train_gpt.py's Pallas kernels that are GEMMs (Triton custom calls, by their pallas_call name): their first
+# two operands are the GEMM's (train_gpt._gemm_specs)
+PALLAS_GEMMS = ("head_logits", "mlp_up", "mlp_dpre")
 PASS_THROUGH = ("bitcast", "copy", "transpose", "reshape", "slice", "dynamic-slice", "broadcast")
 
 
@@ -335,17 +338,27 @@ def _fusion_kind(ins: Instr) -> str:
     return m[1] if m else ""
 
 
+def pallas_gemm(ins: Instr):
+    """"pallas NAME" for a custom call of one of train_gpt.py's Pallas GEMM kernels, else None."""
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    name = re.search(r'\bname = "([^"]+)"', ins.attrs)
+    if ins.op == "custom-call" and target and target[1] == "__gpu$xla.gpu.triton" and name and name[1] in PALLAS_GEMMS:
+        return f"pallas {name[1]}"
+    return None
+
+
 def gemm_sites(module: Module) -> list:
-    """Every matrix multiplication: GEMM custom calls (cuBLAS) and dot instructions. A dot inside a
-    Triton or cuDNN GEMM fusion gets that fusion's kind as its kernel; any other dot is "dot"."""
+    """Every matrix multiplication: GEMM custom calls (cuBLAS, train_gpt's Pallas GEMM kernels) and dot
+    instructions. A dot inside a Triton or cuDNN GEMM fusion gets that fusion's kind as its kernel; any
+    other dot is "dot"."""
     sites = []
     for comp, instrs in module.computations.items():
         for ins in instrs.values():
             if ins.op == "custom-call":
                 target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-                if not (target and target[1].startswith("__cublas") and len(ins.operands) >= 2):
+                kernel = pallas_gemm(ins) or (target[1] if target and target[1].startswith("__cublas") else None)
+                if not (kernel and len(ins.operands) >= 2):
                     continue
-                kernel = target[1]
             elif ins.op == "dot":
                 kinds = [_fusion_kind(c) for c in module.callers.get(comp, [])]
                 kernel = next((k for k in kinds if k in GEMM_FUSION_KINDS), "dot")
@@ -381,7 +394,8 @@ def fp8_gemm_problems(hlo_text: str, vocab: int, min_count: int = 3):
 
     A head GEMM is a matmul with a dimension of size `vocab` (operands or result). Each must take
     f8e4m3fn/f8e5m2 operands and run as an FP8 GEMM kernel (cuBLASLt's fp8 matmul, or a Triton or
-    cuDNN GEMM fusion whose dot reads f8). At least `min_count` must exist (forward, dx, dw; more
+    cuDNN GEMM fusion whose dot reads f8, or train_gpt's Pallas head kernel). At least `min_count` must
+    exist (forward, dx, dw; more
     when the forward is recomputed), forward (e4m3 x e4m3) and backward (an e5m2 gradient) among
     them. No matmul at all may read an f8 tensor upcast to bf16/f32 (an emulated FP8 matmul)."""
     module = parse_hlo(hlo_text)
@@ -444,7 +458,8 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
                           "conditional", "call") or ins.op.endswith("-start"):  # an async op's -done writes
                 continue
             target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-            gemm = _fusion_kind(ins) in GEMM_FUSION_KINDS or bool(target and target[1].startswith("__cublas"))
+            gemm = (_fusion_kind(ins) in GEMM_FUSION_KINDS or bool(target and target[1].startswith("__cublas"))
+                    or pallas_gemm(ins) is not None)
             for t in _array_types(ins.type):
                 if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) in ("f8e5m2", "u8") \
                         or (gemm and element_type(t) == "bf16"):
@@ -587,6 +602,23 @@ def test_triton_fp8_gemm_fusions_pass():
     heads, problems = fp8_gemm_problems(TRITON_HLO, V)
     assert problems == []
     assert [g.kernel for g in heads] == ["__triton_nested_gemm_fusion", "__triton_gemm", "__triton_gemm"]
+
+
+def test_the_pallas_head_kernel_counts_as_the_forward_fp8_gemm_and_its_logits_as_the_gemms():
+    """--head pallas: the forward's logits come from train_gpt's Pallas kernel (a Triton custom call named
+    head_logits) writing bf16 logits and per-tile sums; another Pallas kernel is no GEMM."""
+    line = next(l for l in CUBLAS_HLO.splitlines() if "%cublas-lt-matmul.1 =" in l)
+    pallas = ('  %head = (bf16[64,96]{1,0}, f32[64,1]{1,0}) custom-call(%x8, %w8.1), custom_call_target='
+              '"__gpu$xla.gpu.triton", backend_config={debug = false, grid_x = 1 : i32, name = "head_logits", '
+              'num_warps = 8 : i32}')
+    hlo = CUBLAS_HLO.replace(line, pallas)
+    heads, problems = fp8_gemm_problems(hlo, V)
+    assert problems == [] and [g.kernel for g in heads] == ["pallas head_logits", CUBLAS_FP8, CUBLAS_FP8]
+    assert head_logit_passes(hlo, V, 64) == []
+    other = hlo.replace('name = "head_logits"', 'name = "attention_fwd"')
+    heads, problems = fp8_gemm_problems(other, V)
+    assert len(heads) == 2 and any("2 head matmuls" in p for p in problems)
+    assert head_logit_passes(other, V, 64) == ["head in main.9: custom-call writes bf16[64,96]"]
 
 
 def test_non_fp8_cublas_kernel_for_a_head_matmul_fails():

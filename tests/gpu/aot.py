@@ -256,9 +256,10 @@ def traffic_lines(text: str, top: int) -> list:
     return lines
 
 
-def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0, mlp: str = "xla") -> list:
-    hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, mlp=mlp, compile_cache_dir="")
-    mlp_gemms = 2 * tg.NUM_LAYERS if mlp == "xla" else tg.NUM_LAYERS  # pallas: the up projections are kernels
+def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0, mlp: str = "xla",
+                 head: str = "xla") -> list:
+    hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, mlp=mlp, head=head, compile_cache_dir="")
+    gemm_kernels = "".join(f" {part} pallas" for part, choice in (("mlp", mlp), ("head", head)) if choice == "pallas")
     rows = []
     for name, lowered, chunk, is_train in record_programs(hp, mesh, which):
         t0, notes = time.perf_counter(), []
@@ -269,7 +270,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
         # donated arguments come back as outputs in the same buffers (alias): count them once
         total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                  + memory.temp_size_in_bytes)
-        lines = [f"{impl:6s} {name:26s}{' mlp pallas' if mlp == 'pallas' else ''} compile {seconds:5.1f}s  "
+        lines = [f"{impl:6s} {name:26s}{gemm_kernels} compile {seconds:5.1f}s  "
                  f"arguments {memory.argument_size_in_bytes / GIB:5.2f} "
                  f"GiB, temporaries {memory.temp_size_in_bytes / GIB:5.2f} GiB, in all {total / GIB:5.2f} of "
                  f"{H100_MEMORY / GIB:.1f} GiB"]
@@ -280,7 +281,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
             sites, problems = fp8_gemm_problems(text, hp.padded_vocab)
             gemms = fp8_mlp_gemms(text, 4 * hp.model_dim)
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
-                         + f", {len(gemms)} MLP GEMMs" + ("" if len(gemms) >= mlp_gemms else f" (fewer than {mlp_gemms})")
+                         + f", {len(gemms)} MLP GEMMs" + ("" if len(gemms) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
                          + f"; {head}")
             lines += traffic_lines(text, top) if top else []
         else:
@@ -288,8 +289,8 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
         kernels = kernel_sources(text)
         lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
         if hlo_dir:
-            with open(os.path.join(hlo_dir, f"{impl}{'_mlp_pallas' if mlp == 'pallas' else ''}_"
-                                   f"{name.replace(' ', '_')}.hlo.txt"), "w") as f:
+            with open(os.path.join(hlo_dir, f"{impl}{gemm_kernels.replace(' ', '_')}_{name.replace(' ', '_')}.hlo.txt"),
+                      "w") as f:
                 f.write(text)
         rows.append("\n".join(lines))
         print(rows[-1], flush=True)
@@ -299,7 +300,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
 def sweep_rows(mesh, configs: list) -> list:
     """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
     forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv;
-    the MLP's kernels on the chunk's tokens at the record's width for up and dpre."""
+    the MLP's kernels on the chunk's tokens at the record's width for up and dpre, head on a loss chunk."""
     hp = tg.PRESETS["record"]
     T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
     rep = NamedSharding(mesh, P())
@@ -320,8 +321,10 @@ def sweep_rows(mesh, configs: list) -> list:
         elif kernel == "up":
             fn = lambda x8, w8, dq, act, valid, t=tuning: tg.pallas_mlp_up(x8, w8, dq, act, valid, t)  # noqa: E731
             args = (f8(T, D), f8(F, D), f32(), f32(), jax.ShapeDtypeStruct((T,), jnp.bool_, sharding=rep))
-        else:
+        elif kernel == "dpre":
             fn, args = (lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)), (bf16(T, D), bf16(F, D), bf16(T, F))
+        else:  # head: on one loss chunk, as the program calls it
+            fn, args = (lambda x8, w8, t=tuning: tg.pallas_head_logits(x8, w8, t)), (f8(tg.LOSS_CHUNK, D), f8(hp.padded_vocab, D))
         args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()
         in_specs = (P(),) * len(args)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
@@ -340,7 +343,8 @@ def sweep_rows(mesh, configs: list) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="xla,pallas", help="comma-separated implementations (default both)")
-    parser.add_argument("--mlp", default="xla", choices=("xla", "pallas"), help="train_gpt.py's --mlp (default xla)")
+    parser.add_argument("--mlp", default="xla", choices=tg.GEMM_IMPLEMENTATIONS, help="train_gpt.py's --mlp (default xla)")
+    parser.add_argument("--head", default="xla", choices=tg.GEMM_IMPLEMENTATIONS, help="train_gpt.py's --head (default xla)")
     parser.add_argument("--programs", default="all", choices=("all", "last", "none"),
                         help="all: each stage shape's train program and validation; last: the last stage's train "
                              "program; none: only --sweep")
@@ -364,7 +368,7 @@ def main(argv=None) -> int:
     print(f"compile-only NVIDIA H100 (sm_90), jax {jax.__version__}, record preset; compile times on "
           f"{os.cpu_count()} CPU cores, without autotuning", flush=True)
     rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(
-        mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp)]
+        mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head)]
     rows += sweep_rows(mesh, configs)
     return 1 if any("PROBLEMS" in r or "fewer than" in r or "FAILS" in r for r in rows) else 0
 

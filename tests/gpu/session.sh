@@ -7,13 +7,13 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 #
-#   OUT=$OUT/a BUDGET_S=320 tests/gpu/session.sh short-pallas profile-pallas; MLP=pallas \
-#   XLA_FLAGS=--xla_gpu_cublas_fallback=false OUT=$OUT/b BUDGET_S=210 tests/gpu/session.sh profile-pallas
+#   OUT=$OUT/a BUDGET_S=320 tests/gpu/session.sh short-pallas profile-pallas; \
+#   MLP=pallas HEAD=pallas OUT=$OUT/b BUDGET_S=210 tests/gpu/session.sh profile-pallas
 #                          # call 1 (timeout_s 560): the fused attention's short run to the end (2026-11-26
 #                          # the budget cut it at step 27) and where its last stage's step goes; then the
-#                          # same step with the MLP's fused kernels (--mlp pallas) and the GEMM fusions kept
-#                          # on Triton (autotuning picked cuBLASLt for the head, whose f32 logits then take a
-#                          # pass of their own: the lane's FP8 check); the two profiles' op tables time each
+#                          # same step with the GEMM kernels (--mlp pallas --head pallas; the head's also
+#                          # answers the lane's FP8 check: autotuning picked cuBLASLt for its logits, whose
+#                          # f32 output takes a pass of its own); the two profiles' op tables time each
 #   BUDGET_S=270 tests/gpu/session.sh lane      # call 2 at once (timeout_s 300), on the warm machine
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
@@ -49,8 +49,9 @@
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
-# tokens_per_s, compile_s) of the record logs in rec/ of the packed output. MLP=pallas gives the short
-# runs, the profiles and the bench suite --mlp pallas (the MLP's fused kernels; default MLP=xla).
+# tokens_per_s, compile_s) of the record logs in rec/ of the packed output. MLP=pallas and HEAD=pallas
+# give the short runs, the profiles and the bench suite --mlp pallas and --head pallas (the GEMM
+# kernels with fused epilogues; default xla).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
@@ -62,20 +63,22 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DATA=${GPU_SESSION_DATA:-}
-MLP=${MLP:-xla}  # train_gpt.py's and bench.py's --mlp in the short runs, profiles and bench
+MLP=${MLP:-xla} HEAD=${HEAD:-xla}  # train_gpt.py's and bench.py's --mlp, --head in the short runs, profiles, bench
 # the kernels' defaults (fwd 128/8/2, dq and dkv 64/8/2) and neighbours that compile for an H100 without
 # register spills (tests/gpu/aot.py --sweep, 2026-11-25: every 4-warp configuration but fwd 32/4 spills, so
 # does dkv 128/8; tile 128 with 3-4 stages (fwd: 4) exceeds the shared memory)
-# and the MLP's kernels' default (up 128x256x128/8/3, dpre 128x256x64/8/3) and neighbours, all clean for an
-# H100 (2026-11-26; 256x256 tiles spill or exceed the shared memory, so do 4 warps on 128x256)
+# and the GEMM kernels' defaults (up 128x256x128/8/3, dpre 128x256x64/8/3, head 128x128x128/8/3) and
+# neighbours, all clean for an H100 (2026-11-26; 256x256 tiles spill or exceed the shared memory, and up
+# spills with 4 warps on 128x256)
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
 SWEEP_DEFAULT+=,up:128x256x128/8/3,up:128x256x128/8/4,up:128x128x128/4/4,up:256x128x128/8/3
 SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x256x32/8/4
+SWEEP_DEFAULT+=,head:128x128x128/8/3,head:128x128x128/8/4,head:128x128x128/4/3,head:256x128x128/8/3
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
 PIECES="lane short-xla short-pallas crash-xla crash-pallas short-record20 profile-xla profile-pallas bench sweep"
-if ! [[ " xla pallas " == *" $MLP "* ]]; then
-    echo "tests/gpu/session.sh: MLP=$MLP: choose xla or pallas (train_gpt.py --mlp)" >&2
+if ! [[ " xla pallas " == *" $MLP "* && " xla pallas " == *" $HEAD "* ]]; then
+    echo "tests/gpu/session.sh: MLP=$MLP HEAD=$HEAD: choose xla or pallas for each (train_gpt.py --mlp, --head)" >&2
     exit 2
 fi
 if ! [[ "$BUDGET_S" =~ ^[0-9]+$ ]]; then
@@ -123,7 +126,7 @@ shards() {  # the short runs' data, written once
 }
 
 short() {  # short IMPL CACHE_DIR: SHORT becomes the short run's command
-    SHORT=("$PY" train_gpt.py --preset record --attention "$1" --mlp "$MLP"
+    SHORT=("$PY" train_gpt.py --preset record --attention "$1" --mlp "$MLP" --head "$HEAD"
            --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin"
            --num-scheduled-iterations 27 --num-extension-iterations 3 --val-loss-every 10
            --intermediate-val-tokens 2097152 --records-dir "$RUN/rec" --compile-cache-dir "$2")
@@ -158,8 +161,10 @@ for p in "$@"; do
         # the tables keep the profile's top ops and lines; the raw trace (tens of MB) stays on the machine
         profile-xla|profile-pallas)
             piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --mlp "$MLP" \
+                --head "$HEAD" \
                 --compile-cache-dir "$CACHES/${p#profile-}" --out "$RUN/$p.txt" ;;
-        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --mlp "$MLP" --out "$RUN/bench.txt" ;;
+        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --mlp "$MLP" --head "$HEAD" \
+            --out "$RUN/bench.txt" ;;
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$RUN/sweep.txt" ;;
     esac
 done
