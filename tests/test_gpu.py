@@ -17,6 +17,7 @@ tail and leaves the others running:
                            blocks (H = 3 with 2T: the paired layers' doubled sequence)
   mlp T                    the FP8 MLP's Pallas kernels (--mlp pallas) at T tokens of the record's
                            width against float64 on sampled rows, and the whole MLP against --mlp xla
+  head T                   the FP8 head with --head pallas against --head xla at T tokens: losses, gradients
 
 e.g. `python tests/test_gpu.py attention xla 2560 49152 6`; the last line printed is `RESULT {json}`.
 Bisecting a crash: the children inherit the environment, so XLA_FLAGS (`--xla_dump_to=DIR`,
@@ -997,6 +998,42 @@ def case_mlp(T: int) -> dict:
             **vs_xla}
 
 
+@lane
+def test_head_kernel_matches_the_xla_path():
+    result = run_case("head", ATTENTION_T)
+    print(result)
+    assert result["loss_max_diff"] <= 1e-3, result  # losses near 20 (ln 50,304 per weight): fp32 sums reordered
+    for name in ("dx", "dw"):  # e5m2 gradients: a logit rounding the other way may flip one, rarely
+        assert result[f"{name}_vs_xla"] <= 1e-2, result
+
+
+def case_head(T: int) -> dict:
+    """train_head_loss with --head pallas against --head xla at T tokens of the record's head (768 x 50,304,
+    the lm_head's initial scale), 3 MTP weights and a prefix weight: per-token losses and both gradients."""
+    import train_gpt as tg
+
+    D, V = 768, 50304
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.005, (D, V)), jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, 50257, T), jnp.int32)
+    prefix = jnp.asarray(np.where(rng.random(T) < 0.5, rng.integers(0, 50257, T), -1), jnp.int32)
+    cols, ws, total = tg._loss_targets(targets, jnp.asarray([1.0, 0.5, 0.25], jnp.float32), prefix,
+                                       jnp.float32(0.25), V)
+
+    def run(impl):
+        f = jax.jit(jax.value_and_grad(lambda x, w: tg.train_head_loss(x, w, cols, ws, total, impl), argnums=(0, 1),
+                                       has_aux=True))
+        (_, losses), (dx, dw) = f(x, w)
+        return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (losses, dx, dw)]
+
+    (lp, dxp, dwp), (lx, dxx, dwx) = run("pallas"), run("xla")
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
+    return {"T": T, "seed": seed, "loss_max_diff": float(np.max(np.abs(lp - lx))), "loss_mean": float(lx.mean()),
+            "dx_vs_xla": rel(dxp, dxx), "dw_vs_xla": rel(dwp, dwx)}
+
+
 # ---------------------------------------------------------------------------------------------
 # The session script (tests/gpu/session.sh): pieces under timeouts, output kept in $OUT
 
@@ -1164,7 +1201,8 @@ def test_compile_only_script_says_how_to_install_the_cuda_plugin_it_needs():
 # ---------------------------------------------------------------------------------------------
 
 CASES = {"train": (case_train, (str, int, str)), "hlo": (case_hlo, (str, int, str)),
-         "attention": (case_attention, (str, int, int, int)), "mlp": (case_mlp, (int,))}
+         "attention": (case_attention, (str, int, int, int)), "mlp": (case_mlp, (int,)),
+         "head": (case_head, (int,))}
 
 if __name__ == "__main__":
     name, *values = sys.argv[1:]
