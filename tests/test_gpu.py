@@ -842,6 +842,13 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     assert unknown == []
     rows, unknown = traffic(TRAFFIC_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
     assert rows["read_row:5 < step:20"] == [per_trip, 0, 2] and unknown == ["loop"]  # counted once, and said
+    # custom calls count no FLOPs (cuBLAS's are not counted here at all), but train_gpt's Pallas GEMM kernels
+    # do: 2·M·N·K from their first two operands, the head's x8 (64 x 32) and w8 (96 x 32)
+    line = next(l for l in CUBLAS_HLO.splitlines() if "%cublas-lt-matmul.1 =" in l)
+    pallas = ('  %head = (bf16[64,96]{1,0}, f32[64,1]{1,0}) custom-call(%x8, %w8.1), custom_call_target='
+              '"__gpu$xla.gpu.triton", backend_config={name = "head_logits"}')
+    assert traffic(CUBLAS_HLO.replace(line, pallas))[0]["?"][1] == 2 * 64 * 96 * 32
+    assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from bench import parse_sweep, source_of, tuning_name  # noqa: E402
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
-    from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes, parse_hlo  # noqa: E402
+    from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes, pallas_gemm, parse_hlo  # noqa: E402
 except ImportError as e:
     print(f"tests/gpu/aot.py: {e}; it runs in an environment of its own, with JAX's CUDA plugin and pytest:\n"
           f"  {INSTALL}", file=sys.stderr)
@@ -155,7 +155,8 @@ def record_programs(hp, mesh, which: str):
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
 # without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
 # slice where a fusion reads or updates a slice), loop bodies count their known trip counts, every
-# branch of a conditional counts, and a custom call (a Pallas kernel) counts its operands but no FLOPs.
+# branch of a conditional counts, and a custom call (a Pallas kernel) counts its operands, and FLOPs only
+# where it is one of train_gpt's Pallas GEMM kernels.
 ELEMENT_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                  "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "u8": 1, "pred": 1, "token": 0}
 # rates seen on the H100 machines here: a device-to-device copy ~3.0 TB/s, an 8192^3 bf16 product ~800 TFLOP/s
@@ -227,6 +228,9 @@ def traffic(text: str) -> tuple:
                 moved, flops = 2 * type_bytes(typ(comp, ins.operands[1])), 0
             else:
                 moved, flops = type_bytes(ins.type) + sum(type_bytes(typ(comp, o)) for o in ins.operands), 0
+                if pallas_gemm(ins):  # A (M x K) and B (N x K) first: 2·M·N·K
+                    (M, K), (N, _) = dims(typ(comp, ins.operands[0])), dims(typ(comp, ins.operands[1]))
+                    flops = 2 * M * N * K
             row = rows.setdefault(where(ins.attrs), [0, 0, 0])
             row[0] += moved * times
             row[1] += flops * times
