@@ -320,11 +320,15 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
               compile_s=compile_s, devices=mesh.size, note="FLOPs: Polar Express only (the rest is elementwise)")
 
 
+def gemm_kernels_named(hp) -> str:
+    """" mlp pallas head pallas", either, or "": which of hp's GEMMs run as Pallas kernels, for a row's name."""
+    return "".join(f" {part} pallas" for part, impl in (("mlp", hp.mlp), ("head", hp.head)) if impl == "pallas")
+
+
 def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
     """The model's loss and gradients for one chunk at each stage shape (training, FP8), its windows
     and schedule values, with hp's attention, MLP and head implementations; one compile per shape."""
     attention = hp.attention
-    named = "".join(f" {part} pallas" for part, impl in (("mlp", hp.mlp), ("head", hp.head)) if impl == "pallas")
     trainable = tg.trainable(params, hp)
     buffers = {k: v for k, v in params.items() if k not in trainable}
     prefix_V = jnp.asarray(tg.prefix_table(hp.padded_vocab))
@@ -346,7 +350,7 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
         compiled, compile_s = compile_timed(jax.jit(loss_and_grads), trainable, inputs, targets, a)
         sec = seconds_per_call(compiled, (trainable, inputs, targets, a), repeats)
         docs = documents(inputs_RxT[:1, :T], hp.bos_id)
-        table.add(f"model fwd+bwd {attention}{named} stage {tg.stage_of(first, hp)[0]} T={T} W={short}/{long}", sec,
+        table.add(f"model fwd+bwd {attention}{gemm_kernels_named(hp)} stage {tg.stage_of(first, hp)[0]} T={T} W={short}/{long}", sec,
                   tokens=T, flops=model_flops(hp, docs, short, long), compiled=compiled, compile_s=compile_s)
 
 

@@ -950,16 +950,23 @@ def _chunks(n, *arrays):
     return [x.reshape(n // c, c, *x.shape[1:]) for x in arrays]
 
 
+LM_HEAD_U_S = np.float32(LM_HEAD_X_S) * np.float32(LM_HEAD_W_S)  # the FP8 logits' dequantization, in fp32
+
+
 def _fp8_logits(x_f8, w_f8):
-    s = np.float32(LM_HEAD_X_S) * np.float32(LM_HEAD_W_S)
-    return (fp8_dot(x_f8, w_f8, ((1,), (0,))) * s).astype(BF16)
+    return (fp8_dot(x_f8, w_f8, ((1,), (0,))) * LM_HEAD_U_S).astype(BF16)
+
+
+def _softcap_sigmoid(u):
+    """sigmoid((u + B)/C) in fp32, before the reference's kernel rounds it to bf16 (_softcap_sig)."""
+    inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
+    return jax.nn.sigmoid(f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c)
 
 
 def _softcap_sig(u):
     """sigmoid((u + B)/C) in fp32, rounded to bf16 as the reference's kernel stores it; reduce_precision,
     not a bf16 round trip, which XLA's GPU compiler drops inside a fused kernel (excess precision)."""
-    inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
-    return jax.lax.reduce_precision(jax.nn.sigmoid(f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c), 8, 7)
+    return jax.lax.reduce_precision(_softcap_sigmoid(u), 8, 7)
 
 
 def _capped_lse(z):
@@ -1593,10 +1600,9 @@ PALLAS_HEAD = GemmTuning(rows=128, cols=128, depth=128, num_warps=8, num_stages=
 
 
 def _head_logits_kernel(x_ref, w_ref, u_ref, sumexp_ref, *, depth):
-    u = (_gemm_nt(x_ref, w_ref, depth) * (np.float32(LM_HEAD_X_S) * np.float32(LM_HEAD_W_S))).astype(BF16)
+    u = (_gemm_nt(x_ref, w_ref, depth) * LM_HEAD_U_S).astype(BF16)
     u_ref[...] = u
-    inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
-    sig = _bf16_rounded(jax.nn.sigmoid(f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c))  # as _softcap_sig
+    sig = _bf16_rounded(_softcap_sigmoid(u))  # _softcap_sig's rounding (Triton has no reduce_precision)
     sumexp_ref[...] = jnp.sum(jnp.exp(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
 
 

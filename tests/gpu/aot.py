@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from bench import parse_sweep, source_of, tuning_name  # noqa: E402
+from bench import gemm_kernels_named, parse_sweep, source_of, tuning_name  # noqa: E402
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
@@ -263,7 +263,7 @@ def traffic_lines(text: str, top: int) -> list:
 def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0, mlp: str = "xla",
                  head: str = "xla") -> list:
     hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, mlp=mlp, head=head, compile_cache_dir="")
-    gemm_kernels = "".join(f" {part} pallas" for part, choice in (("mlp", mlp), ("head", head)) if choice == "pallas")
+    gemm_kernels = gemm_kernels_named(hp)
     rows = []
     for name, lowered, chunk, is_train in record_programs(hp, mesh, which):
         t0, notes = time.perf_counter(), []
