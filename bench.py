@@ -14,7 +14,9 @@ program it is): a check that the suite works, its numbers mean nothing.
 The suite measures
   compile     seconds to compile the train programs (one per stage shape: chunk length and number
               of MTP weights) and the validation step, cold (an empty persistent cache) and warm (the
-              same cache again after jax.clear_caches(), and how many programs it loaded from there);
+              same cache again after jax.clear_caches()), and how many programs each loaded from
+              there; with --compile-cache-dir, the first from that cache as it is (where train_gpt.py
+              compiled the same shapes, it loads them: minutes of a GPU's time not spent again);
   train step  each stage's program as train() runs it, with that stage's windows and schedule values:
               synced every step as train() does, and pipelined (the difference is the host loop's
               cost); the preset's whole run estimated from them (steps per stage x its step time);
@@ -358,18 +360,18 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
 # The train and validation steps as train() builds them
 
 
-def compile_cold_and_warm(hp, mesh, state, prefix_V):
-    """compile_steps into an empty persistent cache, forget the programs in memory, compile again;
-    the warm compile's programs loaded from the cache are counted (all of them, unless JAX could not
-    store or load one: then "warm" compiled it again)."""
-    seconds = {}
-    for kind in ("cold", "warm"):
-        if kind == "warm":
+def compile_twice(hp, mesh, state, prefix_V):
+    """compile_steps with the persistent cache as it is (empty: cold), forget the programs in memory,
+    compile again (warm); each time the programs loaded from the cache are counted (the second time all
+    of them, unless JAX could not store or load one: then it compiled that one again)."""
+    result = {}
+    for kind in ("first", "again"):
+        if kind == "again":
             jax.clear_caches()
         t0 = time.perf_counter()
         programs, val_step, loaded = tg.compile_steps(hp, mesh, *state, prefix_V)
-        seconds[f"{kind}_s"] = time.perf_counter() - t0
-    return programs, val_step, {**seconds, "programs": len(programs) + 1, "warm_loaded": loaded}
+        result |= {f"{kind}_s": time.perf_counter() - t0, f"{kind}_loaded": loaded}
+    return programs, val_step, {**result, "programs": len(programs) + 1}
 
 
 def run_train_steps(program, state, x, y, inputs, prefix_V, n, synced=True):
@@ -418,14 +420,15 @@ def stage_batch(rng, hp, mesh, first: int):
     return inputs, x, y, tg.step_inputs(first | 1, hp)
 
 
-def train_rows(table, hp, mesh, rng, repeats):
-    """Compile the train programs and the validation step cold and warm, time each stage's program
+def train_rows(table, hp, mesh, rng, repeats, cache: str):
+    """Compile the train programs and the validation step twice (compile_twice), time each stage's program
     (synced, then pipelined for the last), read the peak memory, time the validation step."""
-    print("bench: compiling the train and validation steps, cold then warm", file=sys.stderr, flush=True)
+    print("bench: compiling the train and validation steps, twice", file=sys.stderr, flush=True)
     replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     state = tg.initial_state(hp, mesh)
     prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), replicated)
-    programs, val_step, compile_s = compile_cold_and_warm(hp, mesh, state, prefix_V)
+    programs, val_step, compile_s = compile_twice(hp, mesh, state, prefix_V)
+    compile_s["cache"] = cache
     ms, last = {}, None
     for first in tg.program_steps(hp):
         shape = tg.stage_shape(first, hp)
@@ -658,8 +661,9 @@ def guarded(errors: list, section: str, fn, *args):
         return None
 
 
-def run_suite(hp, preset, args):
-    """Every measurement of the suite: returns (the JSON-able result, the table of rows)."""
+def run_suite(hp, preset, args, cache: str):
+    """Every measurement of the suite (the compile section's persistent cache: `cache`, "fresh" or
+    --compile-cache-dir): returns (the JSON-able result, the table of rows)."""
     mesh = tg.make_mesh()
     rng = np.random.default_rng(0)
     table, errors = Table(args.peak_tflops), []
@@ -670,7 +674,7 @@ def run_suite(hp, preset, args):
               "stages": [dataclasses.asdict(s) for s in hp.stages], "chunks_per_device": tg.RANKS // mesh.size,
               "peak_tflops": args.peak_tflops, "attention_implementations": sorted(tg.ATTENTION), "errors": errors}
     # the real train programs first, so that the device's peak memory is theirs
-    trained = guarded(errors, "train and validation steps", train_rows, table, hp, mesh, rng, args.repeats)
+    trained = guarded(errors, "train and validation steps", train_rows, table, hp, mesh, rng, args.repeats, cache)
     result["compile"], result["train_step"], result["memory"], train_state = trained or (None, None, None, None)
 
     params = tg.init_params(hp, 0)  # the model and its parts run on one device
@@ -701,10 +705,12 @@ def report_lines(result: dict, table: Table) -> list:
         c, m, t = result["compile"], result["memory"], result["train_step"]
         peak = "n/a" if m["peak_mib"] is None else f"{m['peak_mib']:,.0f} MiB"
         by_stage = ", ".join(f"stage {k} {v:.1f} ms" for k, v in t["ms_by_stage"].items())
+        first = (f"{c['first_s']:.1f}s cold (a fresh persistent cache)" if c["cache"] == "fresh" else
+                 f"{c['first_s']:.1f}s with the persistent cache {c['cache']} ({c['first_loaded']} of {c['programs']} "
+                 f"programs loaded from it)")
         out += [
-            f"compile: the train programs and the validation step {c['cold_s']:.1f}s cold, {c['warm_s']:.1f}s warm "
-            f"(fresh persistent cache, then jax.clear_caches(); {c['warm_loaded']} of {c['programs']} programs "
-            f"loaded from it)",
+            f"compile: the train programs and the validation step {first}, {c['again_s']:.1f}s warm (the same "
+            f"cache after jax.clear_caches(): {c['again_loaded']} of {c['programs']} programs loaded from it)",
             f"memory: peak {peak} ({m['peak_source']}); compiled train program {m['compiled_peak_mib']:,.0f} MiB "
             f"({m['compiled_source']})",
             f"train step: {by_stage}; host loop {t['host_loop_ms']:.1f} ms/step; "
@@ -885,10 +891,10 @@ def parse_args(argv=None):
     parser.add_argument("--profile", metavar="DIR", help="trace train steps of the last stage into DIR and list the top "
                         "device ops and source lines: with --suite, as its last section; alone, the quickest look (that "
                         "program compiled by itself, nothing else measured)")
-    parser.add_argument("--compile-cache-dir", metavar="DIR", help="with --profile alone: JAX's persistent compile "
-                        "cache there, so that a program train_gpt.py compiled there (same shapes: preset and stage "
-                        "flags; same attention) is loaded, not compiled again (default: none; the suite always "
-                        "starts a fresh one)")
+    parser.add_argument("--compile-cache-dir", metavar="DIR", help="with --profile alone or --suite: JAX's "
+                        "persistent compile cache there, so that a program train_gpt.py compiled there (same shapes: "
+                        "preset and stage flags; same attention, MLP and head) is loaded, not compiled again (default: "
+                        "none for the profile; the suite starts a fresh one, so that its first compile is cold)")
     parser.add_argument("--stage", type=int, metavar="K", help="with --profile alone: the train program of stage K "
                         "(counted from 0, as train_gpt.py's stage table; default: the last program's, the largest chunk)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
@@ -898,8 +904,8 @@ def parse_args(argv=None):
         parser.error("--stage goes with --profile alone (the suite measures every stage)")
     if args.profile and args.sweep:
         parser.error("--profile goes with --suite or alone, not with --sweep")
-    if args.compile_cache_dir and not profile_alone:
-        parser.error("--compile-cache-dir goes with --profile alone (the suite measures compile in a fresh cache)")
+    if args.compile_cache_dir is not None and not (args.suite or args.profile):
+        parser.error("--compile-cache-dir goes with --profile or --suite")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
     if args.sweep:
@@ -938,12 +944,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.suite:
-        cache_dir = tempfile.mkdtemp(prefix="bench-compile-cache-")
+        cache_dir = args.compile_cache_dir or tempfile.mkdtemp(prefix="bench-compile-cache-")
         tg.enable_compile_cache(cache_dir)  # before anything compiles: JAX reads the setting once
         try:
-            result, table = run_suite(hp, preset, args)
+            result, table = run_suite(hp, preset, args, args.compile_cache_dir or "fresh")
         finally:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+            if not args.compile_cache_dir:
+                shutil.rmtree(cache_dir, ignore_errors=True)
         lines = report_lines(result, table)
     elif args.sweep:
         table = Table(args.peak_tflops)

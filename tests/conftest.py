@@ -4,15 +4,18 @@ How the suite stays within its budget (pytest <= 5 minutes on 2 cores): compilin
 every whole run of train_gpt.py uses TINY_FLAGS (tiny_args) or the same settings in-process
 (tiny_hp), and every process of a test run shares one persistent compile cache: an equal program
 compiles once. Add flags to a run only where they are its point (each new --num-iterations, learning
-rate or device count is a new program). Logs of real runs come from one shared attempt (tiny_attempt);
+rate or device count is a new program). On a CPU-only run XLA's LLVM works at -O1 (FAST_CPU_COMPILE). Logs of real runs come from one shared attempt (tiny_attempt);
 bench.py's smoke preset is the same shape, so its profile test loads the attempt's train program.
 ./run.sh test runs two pytest-xdist workers; what they share is made once (shared_once): a test that
 needs it late asks for it late (request.getfixturevalue), so that its worker need not wait idle."""
 import dataclasses
 import fcntl
+import importlib.util
 import json
+import math
 import os
 import pathlib
+import pkgutil
 import shutil
 import subprocess
 import sys
@@ -20,6 +23,24 @@ import tempfile
 import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def cpu_only() -> bool:
+    """Whether this test run's JAX can only use the CPU (JAX_PLATFORMS=cpu, or no GPU plugin installed)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return set(platforms.split(",")) == {"cpu"}
+    plugins = importlib.util.find_spec("jax_plugins")  # JAX's CUDA and ROCm plugins live there
+    return plugins is None or not any(m.name.startswith(("xla_cuda", "xla_rocm"))
+                                      for m in pkgutil.iter_modules(plugins.submodule_search_locations))
+
+
+# XLA:CPU's LLVM at -O1 without its expensive passes: a fifth less CPU to compile the tiny run's programs
+# (37.9 -> 27.7 s), the same val losses (all four, to the printed 4 decimals) and step times within 10%.
+# Set before JAX starts (it reads XLA_FLAGS once) and inherited by every subprocess; not on GPUs.
+FAST_CPU_COMPILE = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
+if cpu_only() and FAST_CPU_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU_COMPILE}".strip()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -61,13 +82,18 @@ def pytest_configure(config):
     import train_gpt
 
     train_gpt.enable_compile_cache(COMPILE_CACHE)  # before anything compiles: JAX reads it once
-    config.addinivalue_line("markers", "heavy: a test of 15 s or more (whole runs, compiles); run first")
+    config.addinivalue_line("markers", "heavy(rank): a test of 15 s or more (whole runs, compiles); run first, by rank")
 
 
 def pytest_collection_modifyitems(items):
-    """The heavy tests first (in file order): ./run.sh test's two workers (--dist load, one test at a
-    time as they free up) run the long ones side by side and end together."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+    """The heavy tests first, by their rank: ./run.sh test's two workers (--dist load, one test at a
+    time as they free up) start the shared attempt (rank 1) and the two-process pair (2) side by side,
+    then the rest; the bench suite (6) loads the attempt's programs, so it comes after the attempt is
+    made. Then the others, in file order."""
+    def rank(item):
+        heavy = item.get_closest_marker("heavy")
+        return heavy.args[0] if heavy else math.inf
+    items.sort(key=rank)
 
 
 def pytest_runtest_logreport(report):

@@ -39,7 +39,7 @@ def reproduced(verdict_path):
 
 # ---- one real attempt: 2 runs of train_gpt.py at the tiny settings (conftest's tiny_attempt)
 
-@pytest.mark.heavy
+@pytest.mark.heavy(1)
 def test_a_two_run_attempt_makes_two_seeded_runs_with_a_tally_after_each(tiny_attempt):
     records, proc = tiny_attempt.records, tiny_attempt.proc
     runs = [parse_log(str(p)) for p in sorted(records.glob("*.txt"))]

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -256,10 +257,10 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--repeats", "0"])
     assert e.value.code == 2 and "--repeats 0" in capsys.readouterr().err
-    for flags in (["--suite", "--profile", "somewhere"], ["--sweep", "fwd:128/8/2"], []):
+    for flags in (["--sweep", "fwd:128/8/2"], []):
         with pytest.raises(SystemExit) as e:
             bench.parse_args([*flags, "--compile-cache-dir", str(tmp_path)])
-        assert e.value.code == 2 and "--compile-cache-dir goes with --profile alone" in capsys.readouterr().err
+        assert e.value.code == 2 and "--compile-cache-dir goes with --profile or --suite" in capsys.readouterr().err
     assert bench.main(["--out", str(tmp_path)]) == 2  # a folder: refused before any benchmark runs
     assert "cannot write" in capsys.readouterr().err
     for flags in (["--suite", "--profile", "somewhere"], []):
@@ -361,12 +362,49 @@ def test_the_profile_alone_loads_a_stages_program_and_ranks_its_ops_and_lines(ti
     assert "the device idle between ops" in table and len(idle["longest"]) <= bench.TOP_GAPS
 
 
-@pytest.mark.heavy
-def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
+def test_the_suites_first_compile_is_cold_in_a_fresh_cache_unless_it_is_given_one(monkeypatch, tmp_path, capsys):
+    """Without --compile-cache-dir: a fresh cache, removed afterwards, and the first compile called cold;
+    with it: that cache, kept, and what the first compile loaded from it. (The suite: a stand-in.)"""
+    caches = []
+    monkeypatch.setattr(tg, "enable_compile_cache", caches.append)  # (this process's own cache stays)
+
+    def suite(hp, preset, args, cache):
+        assert os.path.isdir(caches[-1])
+        result = {"preset": preset, "model_dim": hp.model_dim, "vocab": hp.padded_vocab, "chunks_per_device": 8,
+                  "stages": [dataclasses.asdict(s) for s in hp.stages], "attention": "xla", "mlp": "xla",
+                  "head": "xla", "device": "1 x cpu", "jax": jax.__version__, "peak_tflops": 989.0, "errors": [],
+                  "profile": None, "train_step": {"ms_by_stage": {"0": 5.0}, "host_loop_ms": 1.0,
+                                                  "tokens_per_s_last_stage": 9.0, "estimated_run_s": 2.0,
+                                                  "estimated_run_note": "n"},
+                  "memory": {"peak_mib": None, "peak_source": "n/a", "compiled_peak_mib": 1.0, "compiled_source": "x"},
+                  "compile": {"cache": cache, "first_s": 38.04, "first_loaded": 0 if cache == "fresh" else 2,
+                              "again_s": 6.81, "again_loaded": 2, "programs": 2}}
+        return result, bench.Table(989.0)
+
+    monkeypatch.setattr(bench, "run_suite", suite)
+    assert bench.main(["--suite", "--preset", "smoke"]) == 0
+    assert caches[0].startswith(tempfile.gettempdir()) and not os.path.exists(caches[0])  # fresh, then removed
+    assert ("compile: the train programs and the validation step 38.0s cold (a fresh persistent cache), 6.8s warm "
+            "(the same cache after jax.clear_caches(): 2 of 2 programs loaded from it)") in capsys.readouterr().out
+    mine = tmp_path / "cache"
+    mine.mkdir()
+    (mine / "entry").write_text("kept")
+    assert bench.main(["--suite", "--preset", "smoke", "--compile-cache-dir", str(mine)]) == 0
+    assert caches[1] == str(mine) and (mine / "entry").read_text() == "kept"
+    assert (f"38.0s with the persistent cache {mine} (2 of 2 programs loaded from it), 6.8s warm"
+            in capsys.readouterr().out)
+
+
+@pytest.mark.heavy(6)
+def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
+    """At --preset smoke with the test run's compile cache, where the shared attempt's train_gpt.py
+    compiled the tiny run's programs: the suite's train and validation programs are those (it loads
+    both), and its compile section says so. (Its fresh cache's report: the test below.)"""
+    request.getfixturevalue("tiny_attempt")  # the heavy tests' order has it made by now (conftest)
     out = tmp_path / "results" / "suite.txt"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--suite", "--preset", "smoke",
-                           "--repeats", "1", "--out", str(out)],  # (the profile: the test above)
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+                           "--repeats", "1", "--compile-cache-dir", COMPILE_CACHE, "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)  # (the profile: the test above)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_text() == proc.stdout  # the table and the JSON line, both
     table, line = proc.stdout.rstrip("\n").rsplit("\n", 1)
@@ -375,8 +413,11 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(tmp_path):
     hp = bench.PRESETS["smoke"]
     assert result["preset"] == "smoke" and result["chunks_per_device"] == 8
     c = result["compile"]
-    assert set(c) == {"cold_s", "warm_s", "programs", "warm_loaded"} and c["cold_s"] > 0 and c["warm_s"] > 0
-    assert c["programs"] == c["warm_loaded"] == 2  # one train program, the validation step: warm = loaded
+    assert set(c) == {"cache", "first_s", "first_loaded", "again_s", "again_loaded", "programs"}
+    assert c["cache"] == COMPILE_CACHE and c["first_s"] > 0 and c["again_s"] > 0
+    assert c["programs"] == c["first_loaded"] == c["again_loaded"] == 2  # one train program, the validation step
+    assert (f"compile: the train programs and the validation step {c['first_s']:.1f}s with the persistent cache "
+            f"{COMPILE_CACHE} (2 of 2 programs loaded from it), {c['again_s']:.1f}s warm") in table
     assert result["memory"]["peak_mib"] is None and "n/a" in result["memory"]["peak_source"]
     assert result["memory"]["compiled_peak_mib"] > 0
     t = result["train_step"]

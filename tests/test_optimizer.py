@@ -283,6 +283,9 @@ def test_normuon_banks():
 def test_adam_on_odd_steps_with_kept_gradients():
     rng = np.random.default_rng()
     params, g1, g2 = small_params(rng), small_grads(rng), small_grads(rng)
+    # the smear gate's Adam step is ~8e-5 (lr 0.008 x 0.01): bf16 weights of ~0.1 can all round back
+    # (about 3% of draws left its 12 unchanged); weights of ~0.01 take it
+    params["smear_gate.weight"] = (params["smear_gate.weight"] * 0.1).astype(jnp.bfloat16)
     after_even, state = run(params, [(2, g1)])
     for n in ("scalars", "smear_gate.weight", "lm_head.weight"):
         assert np.array_equal(f64(after_even[n]), f64(params[n])), n  # no Adam step

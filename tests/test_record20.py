@@ -29,7 +29,7 @@ def r20():
     return module
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy(5)
 def test_a_tiny_record20_run_trains_and_logs(synthetic_shards, tmp_path):
     """6 layers, 8 sequences of 128 tokens per step, 8 steps (the archive's old test settings), on the
     suite's tiny shards (their BOS is an ordinary token to record 20)."""

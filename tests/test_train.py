@@ -188,7 +188,7 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
 
 
 def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=3"}
     result = run_train(tiny_args(tmp_path / "records"), env=env)
     assert result.returncode == 2 and "3 devices: the step's 8 chunks must split evenly" in result.stderr, \
         result.stderr[-2000:]
