@@ -42,7 +42,9 @@
 #                   alone, its top device ops and source lines, in profile-IMPL.txt; after short-IMPL
 #                   (or crash-IMPL) in the same call it loads that program from the cache that piece
 #                   filled, instead of compiling it again (its header says which)        (limit 300 s)
-#   bench           python3 bench.py --suite --profile TMP: the table in bench.txt        (limit 540 s)
+#   bench           python3 bench.py --suite --profile TMP: the table in bench.txt; with the pallas
+#                   cache of the call (after short-pallas: its programs loaded, not compiled again;
+#                   the compile line says how many)                                       (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
 #                   the record's last-stage chunk (attention and the MLP's), a row each, in sweep.txt
 #                   (default: SWEEP_DEFAULT below)                                        (limit 540 s)
@@ -163,8 +165,8 @@ for p in "$@"; do
             piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --mlp "$MLP" \
                 --head "$HEAD" \
                 --compile-cache-dir "$CACHES/${p#profile-}" --out "$RUN/$p.txt" ;;
-        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --mlp "$MLP" --head "$HEAD" \
-            --out "$RUN/bench.txt" ;;
+        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --attention pallas --mlp "$MLP" \
+            --head "$HEAD" --compile-cache-dir "$CACHES/pallas" --out "$RUN/bench.txt" ;;
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$RUN/sweep.txt" ;;
     esac
 done
