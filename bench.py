@@ -1,6 +1,6 @@
 """Where the time goes: benchmarks of train_gpt.py's pieces on the current JAX backend.
 
-  python bench.py --suite [--profile DIR] [--out PATH]  # the whole picture: one table, then one JSON line
+  python bench.py --suite [--profile DIR] [--compile-cache-dir DIR] [--out PATH]  # one table, one JSON line
   python bench.py                                       # model forward+backward of one chunk per stage shape
   python bench.py --attention xla                       # the same with the pure-JAX attention (auto: pallas on GPUs)
   python bench.py --sweep fwd:128/8/2,dq:64/8/3         # the Pallas kernels' tiles, warps, stages: a row each
@@ -420,7 +420,7 @@ def stage_batch(rng, hp, mesh, first: int):
     return inputs, x, y, tg.step_inputs(first | 1, hp)
 
 
-def train_rows(table, hp, mesh, rng, repeats, cache: str):
+def train_rows(table, hp, mesh, rng, repeats, cache):
     """Compile the train programs and the validation step twice (compile_twice), time each stage's program
     (synced, then pipelined for the last), read the peak memory, time the validation step."""
     print("bench: compiling the train and validation steps, twice", file=sys.stderr, flush=True)
@@ -661,9 +661,9 @@ def guarded(errors: list, section: str, fn, *args):
         return None
 
 
-def run_suite(hp, preset, args, cache: str):
-    """Every measurement of the suite (the compile section's persistent cache: `cache`, "fresh" or
-    --compile-cache-dir): returns (the JSON-able result, the table of rows)."""
+def run_suite(hp, preset, args, cache):
+    """Every measurement of the suite (the compile section's persistent cache: `cache`, --compile-cache-dir,
+    or None for a fresh one): returns (the JSON-able result, the table of rows)."""
     mesh = tg.make_mesh()
     rng = np.random.default_rng(0)
     table, errors = Table(args.peak_tflops), []
@@ -705,7 +705,7 @@ def report_lines(result: dict, table: Table) -> list:
         c, m, t = result["compile"], result["memory"], result["train_step"]
         peak = "n/a" if m["peak_mib"] is None else f"{m['peak_mib']:,.0f} MiB"
         by_stage = ", ".join(f"stage {k} {v:.1f} ms" for k, v in t["ms_by_stage"].items())
-        first = (f"{c['first_s']:.1f}s cold (a fresh persistent cache)" if c["cache"] == "fresh" else
+        first = (f"{c['first_s']:.1f}s cold (a fresh persistent cache)" if c["cache"] is None else
                  f"{c['first_s']:.1f}s with the persistent cache {c['cache']} ({c['first_loaded']} of {c['programs']} "
                  f"programs loaded from it)")
         out += [
@@ -894,7 +894,8 @@ def parse_args(argv=None):
     parser.add_argument("--compile-cache-dir", metavar="DIR", help="with --profile alone or --suite: JAX's "
                         "persistent compile cache there, so that a program train_gpt.py compiled there (same shapes: "
                         "preset and stage flags; same attention, MLP and head) is loaded, not compiled again (default: "
-                        "none for the profile; the suite starts a fresh one, so that its first compile is cold)")
+                        "none for the profile; the suite starts a fresh one, so that its first compile is cold; ''"
+                        " as none)")
     parser.add_argument("--stage", type=int, metavar="K", help="with --profile alone: the train program of stage K "
                         "(counted from 0, as train_gpt.py's stage table; default: the last program's, the largest chunk)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
@@ -947,7 +948,7 @@ def main(argv=None) -> int:
         cache_dir = args.compile_cache_dir or tempfile.mkdtemp(prefix="bench-compile-cache-")
         tg.enable_compile_cache(cache_dir)  # before anything compiles: JAX reads the setting once
         try:
-            result, table = run_suite(hp, preset, args, args.compile_cache_dir or "fresh")
+            result, table = run_suite(hp, preset, args, args.compile_cache_dir or None)
         finally:
             if not args.compile_cache_dir:
                 shutil.rmtree(cache_dir, ignore_errors=True)

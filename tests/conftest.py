@@ -91,9 +91,9 @@ def pytest_collection_modifyitems(items):
     time as they free up) start the shared attempt (rank 1) and the two-process pair (2) side by side,
     then the rest; the bench suite (6) loads the attempt's programs, so it comes after the attempt is
     made. Then the others, in file order."""
-    def rank(item):
+    def rank(item):  # a heavy test without a rank after the ranked ones
         heavy = item.get_closest_marker("heavy")
-        return heavy.args[0] if heavy else math.inf
+        return (0, heavy.args[0] if heavy.args else math.inf) if heavy else (1, 0)
     items.sort(key=rank)
 
 

@@ -377,7 +377,7 @@ def test_the_suites_first_compile_is_cold_in_a_fresh_cache_unless_it_is_given_on
                                                   "tokens_per_s_last_stage": 9.0, "estimated_run_s": 2.0,
                                                   "estimated_run_note": "n"},
                   "memory": {"peak_mib": None, "peak_source": "n/a", "compiled_peak_mib": 1.0, "compiled_source": "x"},
-                  "compile": {"cache": cache, "first_s": 38.04, "first_loaded": 0 if cache == "fresh" else 2,
+                  "compile": {"cache": cache, "first_s": 38.04, "first_loaded": 0 if cache is None else 2,
                               "again_s": 6.81, "again_loaded": 2, "programs": 2}}
         return result, bench.Table(989.0)
 
@@ -399,7 +399,7 @@ def test_the_suites_first_compile_is_cold_in_a_fresh_cache_unless_it_is_given_on
 def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
     """At --preset smoke with the test run's compile cache, where the shared attempt's train_gpt.py
     compiled the tiny run's programs: the suite's train and validation programs are those (it loads
-    both), and its compile section says so. (Its fresh cache's report: the test below.)"""
+    both), and its compile section says so. (A fresh cache's report: the test above.)"""
     request.getfixturevalue("tiny_attempt")  # the heavy tests' order has it made by now (conftest)
     out = tmp_path / "results" / "suite.txt"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--suite", "--preset", "smoke",

@@ -83,6 +83,8 @@ def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_p
         for line in procs[0].stdout:
             if line.startswith("checking shards"):
                 break
+        else:
+            pytest.fail(f"process 0 ended before checking shards: {procs[0].stderr.read()[-3000:]}")
         procs[1].send_signal(signal.SIGKILL)
         start = time.time()
         procs[0].communicate(timeout=120)  # reads its pipes: a full pipe cannot hold it up

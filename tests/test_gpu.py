@@ -1102,17 +1102,18 @@ if sys.argv[1] == "train_gpt.py":
     open(os.path.join(cache, "program"), "w").close()
 """)
     stand_in.chmod(0o755)
-    r = subprocess.run([script, "short-xla", "profile-xla", "crash-pallas", "profile-pallas", "crash-xla"],
+    r = subprocess.run([script, "short-xla", "profile-xla", "crash-pallas", "profile-pallas", "crash-xla", "bench"],
                        capture_output=True, text=True, env={**env, "PYTHON": str(stand_in), "XLA_FLAGS": "--mine"},
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     argv, envs = zip(*(json.loads(line) for line in calls.read_text().splitlines()))
     assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "bench.py", "train_gpt.py",
-                                    "tests/gpu/fault.py", "bench.py", "train_gpt.py", "tests/gpu/fault.py"]
+                                    "tests/gpu/fault.py", "bench.py", "train_gpt.py", "tests/gpu/fault.py", "bench.py"]
     assert argv[1][argv[1].index("--train-files") + 1].endswith("/synthetic_train_*.bin")  # the pattern, unexpanded
     cache = [a[a.index("--compile-cache-dir") + 1] for a in argv if "--compile-cache-dir" in a]
-    short_xla, profile_xla, crash_pallas, profile_pallas, crash_xla = cache
-    assert short_xla == profile_xla != crash_pallas == profile_pallas
+    short_xla, profile_xla, crash_pallas, profile_pallas, crash_xla, bench = cache
+    assert short_xla == profile_xla != crash_pallas == profile_pallas == bench  # the suite loads pallas's programs
+    assert "--suite" in argv[-1] and argv[-1][argv[-1].index("--attention") + 1] == "pallas"
     assert crash_xla not in (short_xla, crash_pallas)  # xla's cache held short-xla's program: a fresh one
     assert {os.path.dirname(c) for c in cache} == {os.path.dirname(short_xla)}
     assert not os.path.exists(os.path.dirname(short_xla))  # removed at the end

@@ -42,9 +42,9 @@
 #                   alone, its top device ops and source lines, in profile-IMPL.txt; after short-IMPL
 #                   (or crash-IMPL) in the same call it loads that program from the cache that piece
 #                   filled, instead of compiling it again (its header says which)        (limit 300 s)
-#   bench           python3 bench.py --suite --profile TMP: the table in bench.txt; with the pallas
-#                   cache of the call (after short-pallas: its programs loaded, not compiled again;
-#                   the compile line says how many)                                       (limit 540 s)
+#   bench           python3 bench.py --suite --profile TMP --attention pallas --compile-cache-dir
+#                   CACHE: the table in bench.txt; CACHE is the call's pallas cache (after short-pallas:
+#                   its programs loaded, not compiled again; the compile line says how many) (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
 #                   the record's last-stage chunk (attention and the MLP's), a row each, in sweep.txt
 #                   (default: SWEEP_DEFAULT below)                                        (limit 540 s)
