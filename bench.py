@@ -352,8 +352,8 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
         compiled, compile_s = compile_timed(jax.jit(loss_and_grads), trainable, inputs, targets, a)
         sec = seconds_per_call(compiled, (trainable, inputs, targets, a), repeats)
         docs = documents(inputs_RxT[:1, :T], hp.bos_id)
-        table.add(f"model fwd+bwd {attention}{gemm_kernels_named(hp)} stage {tg.stage_of(first, hp)[0]} T={T} W={short}/{long}", sec,
-                  tokens=T, flops=model_flops(hp, docs, short, long), compiled=compiled, compile_s=compile_s)
+        name = f"model fwd+bwd {attention}{gemm_kernels_named(hp)} stage {tg.stage_of(first, hp)[0]} T={T}"
+        table.add(f"{name} W={short}/{long}", sec, tokens=T, flops=model_flops(hp, docs, short, long), compiled=compiled, compile_s=compile_s)
 
 
 # -----------------------------------------------------------------------------
@@ -420,7 +420,7 @@ def stage_batch(rng, hp, mesh, first: int):
     return inputs, x, y, tg.step_inputs(first | 1, hp)
 
 
-def train_rows(table, hp, mesh, rng, repeats, cache):
+def train_rows(table, hp, mesh, rng, repeats):
     """Compile the train programs and the validation step twice (compile_twice), time each stage's program
     (synced, then pipelined for the last), read the peak memory, time the validation step."""
     print("bench: compiling the train and validation steps, twice", file=sys.stderr, flush=True)
@@ -428,7 +428,6 @@ def train_rows(table, hp, mesh, rng, repeats, cache):
     state = tg.initial_state(hp, mesh)
     prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), replicated)
     programs, val_step, compile_s = compile_twice(hp, mesh, state, prefix_V)
-    compile_s["cache"] = cache
     ms, last = {}, None
     for first in tg.program_steps(hp):
         shape = tg.stage_shape(first, hp)
@@ -674,8 +673,10 @@ def run_suite(hp, preset, args, cache):
               "stages": [dataclasses.asdict(s) for s in hp.stages], "chunks_per_device": tg.RANKS // mesh.size,
               "peak_tflops": args.peak_tflops, "attention_implementations": sorted(tg.ATTENTION), "errors": errors}
     # the real train programs first, so that the device's peak memory is theirs
-    trained = guarded(errors, "train and validation steps", train_rows, table, hp, mesh, rng, args.repeats, cache)
+    trained = guarded(errors, "train and validation steps", train_rows, table, hp, mesh, rng, args.repeats)
     result["compile"], result["train_step"], result["memory"], train_state = trained or (None, None, None, None)
+    if trained:
+        result["compile"]["cache"] = cache
 
     params = tg.init_params(hp, 0)  # the model and its parts run on one device
     T_max = max(s.batch_size for s in hp.stages) // tg.RANKS
@@ -700,7 +701,8 @@ def report_lines(result: dict, table: Table) -> list:
     stages = ", ".join(f"{s['batch_size']:,}" for s in result["stages"])
     out = [f"bench suite: preset {result['preset']} (d={result['model_dim']}, vocab {result['vocab']:,}), batches "
            f"[{stages}] tokens as 8 chunks ({result['chunks_per_device']} per device), attention "
-           f"{result['attention']}, mlp {result['mlp']}, head {result['head']}, {result['device']}, jax {result['jax']}"]
+           f"{result['attention']}, mlp {result['mlp']}, head {result['head']}, {result['device']}, "
+           f"jax {result['jax']}"]
     if result["compile"]:
         c, m, t = result["compile"], result["memory"], result["train_step"]
         peak = "n/a" if m["peak_mib"] is None else f"{m['peak_mib']:,.0f} MiB"
@@ -777,8 +779,8 @@ def gemm_sweep_inputs(rng, hp, T):
     rows = min(T, tg.LOSS_CHUNK)
     return {"up": (tg.pallas_mlp_up, (e4m3(T, D), e4m3(F, D), jnp.float32(1e-5), jnp.float32(0.01), jnp.ones(T, bool)),
                    2 * T * D * F),
-            "dpre": (tg.pallas_mlp_dpre, (normal(T, D), normal(F, D), jnp.asarray(rng.uniform(0, 4, (T, F)), jnp.bfloat16)),
-                     2 * T * D * F),
+            "dpre": (tg.pallas_mlp_dpre, (normal(T, D), normal(F, D),
+                                          jnp.asarray(rng.uniform(0, 4, (T, F)), jnp.bfloat16)), 2 * T * D * F),
             "head": (tg.pallas_head_logits, (e4m3(rows, D), e4m3(V, D)), 2 * rows * D * V)}
 
 
@@ -945,12 +947,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.suite:
-        cache_dir = args.compile_cache_dir or tempfile.mkdtemp(prefix="bench-compile-cache-")
+        given = args.compile_cache_dir or None  # '' as none: a fresh one
+        cache_dir = given or tempfile.mkdtemp(prefix="bench-compile-cache-")
         tg.enable_compile_cache(cache_dir)  # before anything compiles: JAX reads the setting once
         try:
-            result, table = run_suite(hp, preset, args, args.compile_cache_dir or None)
+            result, table = run_suite(hp, preset, args, given)
         finally:
-            if not args.compile_cache_dir:
+            if given is None:
                 shutil.rmtree(cache_dir, ignore_errors=True)
         lines = report_lines(result, table)
     elif args.sweep:

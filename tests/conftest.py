@@ -46,6 +46,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+def host_devices_env(devices: int) -> dict:
+    """This environment for a subprocess whose JAX sees `devices` CPU devices (XLA_FLAGS appended to)."""
+    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count="
+                                       f"{devices}"}
+
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TINY_VAL_STEPS, TINY_VOCAB
+from conftest import TINY_VAL_STEPS, TINY_VOCAB, host_devices_env
 from records.logs import parse_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,9 +30,8 @@ def launch(tiny_args, records, devices, process_id=None, num_processes=None, por
     if process_id is not None:
         args += ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
                  "--process-id", str(process_id)]
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"  # after conftest's
-    env = {**os.environ, "XLA_FLAGS": flags}
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"), *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"), *args], cwd=ROOT,
+                            env=host_devices_env(devices),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

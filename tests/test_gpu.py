@@ -1000,7 +1000,8 @@ def case_mlp(T: int) -> dict:
     vs_xla = {f"{n}_vs_xla": float(np.linalg.norm(a - b) / np.linalg.norm(b))
               for n, a, b in zip(names, run("pallas"), run("xla"))}
     post_all = f64(post)
-    return {"T": T, "seed": seed, "post_ulps": ulps(f64(post[rows]), post64), "dpre_ulps": ulps(f64(dpre[rows]), dpre64),
+    return {"T": T, "seed": seed, "post_ulps": ulps(f64(post[rows]), post64),
+            "dpre_ulps": ulps(f64(dpre[rows]), dpre64),
             "post_f8_exact": bool(f8_ok), "amax_exact": float(amax) == float(post_all[np.asarray(valid)].max()),
             **vs_xla}
 

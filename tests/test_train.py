@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import train_gpt as tg
-from conftest import TINY_STEPS, TINY_VAL_STEPS, TINY_VOCAB
+from conftest import TINY_STEPS, TINY_VAL_STEPS, TINY_VOCAB, host_devices_env
 from data.shards import write_shard
 from records.logs import parse_log
 
@@ -36,6 +36,14 @@ def test_a_tiny_run_writes_a_log_that_parses_back(tiny_attempt):
     assert "compile: " in text and "for 1 train program and the validation step" in text  # --stage-mtp-terms 1,1,1,1
 
 
+def train_step_args(hp, w):
+    """make_train_step's arguments at step 0 for weights w, the batches as shapes of 8 chunks of 128."""
+    params = tg.trainable(w, hp)
+    batch = tg.jax.ShapeDtypeStruct((tg.RANKS, 128), tg.jnp.int32)
+    return (params, {k: w[k] for k in tg.buffer_shapes(hp)}, tg.init_optimizer_state(params, hp), tg.fp8_state(w),
+            batch, batch, *tg.step_inputs(0, hp), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
+
+
 def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_lowers(tiny_hp):
     """Without --stage-mtp-terms the tiny schedule keeps the record's 3, 2, 1, 1 MTP terms: a train
     program per MTP length (the tiny runs compile only the one-term program); each traces and lowers
@@ -43,18 +51,15 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_low
     hp = tg.dataclasses.replace(tiny_hp, stages=tuple(
         tg.dataclasses.replace(s, mtp_start=full.mtp_start, mtp_end=full.mtp_end)
         for s, full in zip(tiny_hp.stages, tg.PRESETS["cpu"].stages)))
-    w = tg.init_params(hp, 0)
-    params, buffers = tg.trainable(w, hp), {k: w[k] for k in tg.buffer_shapes(hp)}
-    programs, _ = tg.lower_steps(hp, tg.make_mesh(), params, buffers, tg.init_optimizer_state(params, hp),
-                                 tg.fp8_state(w), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
+    args = train_step_args(hp, tg.init_params(hp, 0))
+    params, buffers, opt_state, fp8, *_, prefix_V = args
+    programs, _ = tg.lower_steps(hp, tg.make_mesh(), params, buffers, opt_state, fp8, prefix_V)
     assert list(programs) == [(128, 3), (128, 2), (128, 1)]  # chunk tokens, MTP terms
     for (_, mtp), lowered in programs.items():
         a = lowered.args_info[0][6]  # train_step(params, buffers, opt_state, fp8, x, y, a, ...): a's weights
         assert a["mtp"].shape == (mtp,)
     # the XLA attention's loops count a static number of diagonals: no loop of a runtime trip count,
     # which a GPU would test on the host every iteration (20 of them per chunk in this program)
-    args = (params, buffers, tg.init_optimizer_state(params, hp), tg.fp8_state(w), *[tg.jax.ShapeDtypeStruct(
-        (tg.RANKS, 128), tg.jnp.int32)] * 2, *tg.step_inputs(0, hp), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
     jaxpr = str(tg.make_train_step(hp, tg.make_mesh()).trace(*args).jaxpr)
     assert "while[" not in jaxpr and jaxpr.count("scan[") >= 20
     assert hp.mlp == "xla" and "mlp_up" not in jaxpr and "mlp_dpre" not in jaxpr  # --mlp pallas: the test below
@@ -63,11 +68,7 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_low
 def test_mlp_pallas_puts_the_fused_kernels_in_every_layer_of_the_train_program(tiny_hp):
     """--mlp pallas reaches each layer's FP8 MLP in the train step: 11 up-projection kernels in the
     forward and 11 dpre kernels in the backward (traced, not compiled; --mlp xla: the test above)."""
-    w = tg.init_params(tiny_hp, 0)
-    params, buffers = tg.trainable(w, tiny_hp), {k: w[k] for k in tg.buffer_shapes(tiny_hp)}
-    args = (params, buffers, tg.init_optimizer_state(params, tiny_hp), tg.fp8_state(w), *[tg.jax.ShapeDtypeStruct(
-        (tg.RANKS, 128), tg.jnp.int32)] * 2, *tg.step_inputs(0, tiny_hp),
-        tg.jnp.asarray(tg.prefix_table(tiny_hp.padded_vocab)))
+    args = train_step_args(tiny_hp, tg.init_params(tiny_hp, 0))
     jaxpr = str(tg.make_train_step(tg.dataclasses.replace(tiny_hp, mlp="pallas"), tg.make_mesh()).trace(*args).jaxpr)
     # (each kernel twice: Triton for CUDA, interpreted elsewhere; the first counted)
     for name in ("mlp_up", "mlp_dpre"):
@@ -188,8 +189,7 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
 
 
 def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, tmp_path):
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=3"}
-    result = run_train(tiny_args(tmp_path / "records"), env=env)
+    result = run_train(tiny_args(tmp_path / "records"), env=host_devices_env(3))
     assert result.returncode == 2 and "3 devices: the step's 8 chunks must split evenly" in result.stderr, \
         result.stderr[-2000:]
 

@@ -313,7 +313,8 @@ def sweep_rows(mesh, configs: list) -> list:
     docs, window = (jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep) for s in ((T,), ()))
     scale = jax.ShapeDtypeStruct((), tg.F32, sharding=rep)
     D, F = hp.model_dim, 4 * hp.model_dim
-    f8, bf16, f32 = ((lambda *shape, t=t: jax.ShapeDtypeStruct(shape, t, sharding=rep)) for t in (tg.E4M3, tg.BF16, tg.F32))
+    f8, bf16, f32 = ((lambda *shape, t=t: jax.ShapeDtypeStruct(shape, t, sharding=rep))
+                     for t in (tg.E4M3, tg.BF16, tg.F32))
     rows = []
     for kernel, tuning in configs:
         if kernel == "fwd":
@@ -326,9 +327,11 @@ def sweep_rows(mesh, configs: list) -> list:
             fn = lambda x8, w8, dq, act, valid, t=tuning: tg.pallas_mlp_up(x8, w8, dq, act, valid, t)  # noqa: E731
             args = (f8(T, D), f8(F, D), f32(), f32(), jax.ShapeDtypeStruct((T,), jnp.bool_, sharding=rep))
         elif kernel == "dpre":
-            fn, args = (lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)), (bf16(T, D), bf16(F, D), bf16(T, F))
+            fn = lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)  # noqa: E731
+            args = (bf16(T, D), bf16(F, D), bf16(T, F))
         else:  # head: on one loss chunk, as the program calls it
-            fn, args = (lambda x8, w8, t=tuning: tg.pallas_head_logits(x8, w8, t)), (f8(tg.LOSS_CHUNK, D), f8(hp.padded_vocab, D))
+            fn = lambda x8, w8, t=tuning: tg.pallas_head_logits(x8, w8, t)  # noqa: E731
+            args = (f8(tg.LOSS_CHUNK, D), f8(hp.padded_vocab, D))
         args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()
         in_specs = (P(),) * len(args)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
