@@ -60,8 +60,9 @@ usage: ./run.sh [--script PATH] [train_gpt.py options]
 
 Set-up: .venv (unless a virtual environment is active) with requirements.txt, plus the CUDA build
 of jax when nvidia-smi lists GPUs. Data: on GPUs, the FineWeb val shard and 8 train shards in
-data/fineweb10B; without GPUs, 1 train shard, or synthetic shards in data/synthetic when FineWeb
-cannot be downloaded; none when --train-files and --val-files name your own. The options are
+data/fineweb10B; without GPUs, the val shard and 1 train shard, or synthetic shards in data/synthetic
+when FineWeb cannot be downloaded; none when --train-files and --val-files name your own; with one
+of them, FineWeb's for the other half (never synthetic shards mixed with yours). The options are
 checked before any data work (--check: only that). run.sh works in its own folder: relative paths
 in options start there.
 
@@ -106,12 +107,25 @@ else
         "$script" "$@"
 fi
 if [ "$check_only" = 1 ]; then
+    echo "run.sh --check: no problem found in the options (shards and weight files are read when a run starts)"
     exit 0
 fi
 
 data_flags=()
+alone=""  # the one data flag given without the other: FineWeb supplies the other half, never synthetic shards
+if [ "$own_train" != "$own_val" ]; then
+    alone=$([ "$own_train" = 1 ] && echo --train-files || echo --val-files)
+fi
 if [ "$own_train" = 1 ] && [ "$own_val" = 1 ]; then
     echo "run.sh: --train-files/--val-files given: no data downloaded or generated"
+elif [ -n "$alone" ]; then
+    shards=$([ "$alone" = --train-files ] && echo 0 || { [ "$gpus" -gt 0 ] && echo 8 || echo 1; })
+    echo "run.sh: $alone given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py $shards)"
+    if ! python data/cached_fineweb10B.py "$shards"; then
+        echo "run.sh: FineWeb could not be downloaded for the half that $alone leaves open, and synthetic shards" \
+             "mixed with yours would measure nothing: give both --train-files and --val-files, or neither" >&2
+        exit 2
+    fi
 elif [ "$gpus" -gt 0 ]; then
     # record 89 reads 339M tokens (410M of shards: BOS-aligned batches skip to the next shard); record
     # 20's archive 730M: 8 train shards of 100M tokens serve both

@@ -10,6 +10,7 @@ Importing this file has no side effects; `python train_gpt.py --help` lists ever
 
 import argparse
 import dataclasses
+import difflib
 import glob
 import json
 import math
@@ -2254,8 +2255,9 @@ class RecordLog:
 
 
 def val_line(step: int, N: int, val_loss: float, train_ms: float) -> str:
+    """As the reference prints it (step 0: step_avg over max(step, 1), so 0.00ms, not nan)."""
     return (f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms "
-            f"step_avg:{train_ms / step if step else float('nan'):.2f}ms")
+            f"step_avg:{train_ms / max(step, 1):.2f}ms")
 
 
 def train_line(step: int, N: int, train_ms: float) -> str:
@@ -2408,21 +2410,34 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
     val_batches = [(c.inputs[rows], c.targets[rows]) for c in val_chunks(hp, val_files)]
     if init_path and not os.path.isfile(init_path):
         raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
+    check_outputs(hp.records_dir, save_path, create=True)  # last: the only check that creates anything
+    return Inputs(train_files, val_batches, rows)
+
+
+def check_outputs(records_dir: str, save_path: str = None, create: bool = False) -> None:
+    """Raises ConfigError unless the log's folder (and --save-weights' file's) can be written: made
+    now (create, a run) or only looked at (--check: the nearest existing folder must let it be made)."""
     if save_path and os.path.isdir(save_path):
         raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
-    for path, flag in [(hp.records_dir, "--records-dir"),  # last: the only check that creates anything
+    for path, flag in [(records_dir, "--records-dir"),
                        (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
         if path is None:
             continue
-        try:
-            os.makedirs(path, exist_ok=True)
-            problem = None if os.access(path, os.W_OK) else "not writable"
-        except OSError as e:
-            problem = e.strerror
+        path = existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            problem = f"{existing} is a file, not a folder"
+        elif create:
+            try:
+                os.makedirs(path, exist_ok=True)
+                problem = None if os.access(path, os.W_OK) else "not writable"
+            except OSError as e:
+                problem = e.strerror
+        else:
+            problem = None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
         if problem:
-            raise ConfigError(f"cannot write to {flag} folder {os.path.abspath(path)!r} ({problem}): "
-                              f"choose a writable folder")
-    return Inputs(train_files, val_batches, rows)
+            raise ConfigError(f"cannot write to {flag} folder {path!r} ({problem}): choose a writable folder")
 
 
 def initial_state(hp: Hyperparameters, mesh, init_path: str = None):
@@ -2753,6 +2768,7 @@ def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(  # no abbreviations: run.sh and attempt.py look for whole flags
         description="Train the record-89 GPT (modded-nanogpt speedrun) in JAX on all local devices.", allow_abbrev=False,
+        usage="%(prog)s [options]  (--help lists them)",  # an error's usage line: short, so the error stays in view
     )
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="named configuration; default: record when a GPU is present, else cpu")
@@ -2760,8 +2776,9 @@ def parse_args(argv=None):
                         "ref89.py init writes them) instead of the seed's initialisation")
     parser.add_argument("--save-weights", metavar="PATH", help="after the run, save the trained weights and state "
                         "buffers to PATH (.npz keyed by the PyTorch reference's names)")
-    parser.add_argument("--check", action="store_true", help="check the options and exit (run.sh does so before "
-                        "its data work; shards and weight files are checked when a run starts)")
+    parser.add_argument("--check", action="store_true", help="check the options and that the output folders can be "
+                        "written, then exit (run.sh does so before its data work; shards and weight files are checked "
+                        "when a run starts)")
     launch = parser.add_argument_group("multi-process launch (also JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
                                        "JAX_PROCESS_ID; SLURM and Open MPI are detected)")
     launch.add_argument("--coordinator-address", help="host:port of process 0")
@@ -2805,6 +2822,10 @@ def parse_args(argv=None):
     if unknown:
         hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
                 "--train-files 'data/fineweb10B/fineweb_train_*.bin')") if unknown[0].endswith(".bin") else ""
+        flags = [f for action in parser._actions for f in action.option_strings if f.startswith("--")]
+        near = {arg: difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.8)  # misspelled flags
+                for arg in unknown if arg.startswith("--")}
+        hint += "".join(f" (did you mean {m[0]} for {arg}?)" for arg, m in near.items() if m)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     overrides = {f.name: getattr(args, f.name) for f in FLAG_FIELDS if getattr(args, f.name) is not None}
     if overrides.get("attention") == "auto":  # main's to resolve (auto_attention)
@@ -2869,6 +2890,7 @@ def main(argv=None) -> int:
             overrides.setdefault("attention", auto_attention())
         hp = with_stage_flags(dataclasses.replace(PRESETS[preset], **overrides), args)
         if args.check:
+            check_outputs(hp.records_dir, args.save_weights)
             return 0
         for what, value, chosen in [("preset", preset, args.preset is None),
                                     ("attention", hp.attention, args.attention in (None, "auto"))]:

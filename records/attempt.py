@@ -100,7 +100,8 @@ def parse_args(argv):
 def script_check(script: str, script_args: list) -> int:
     """The script's own check of its options (train_gpt.py --check), where it has one: its exit code."""
     with open(script, errors="replace") as f:
-        if 'add_argument("--check"' not in f.read():  # e.g. the record-20 archive: checked when it runs
+        if 'add_argument("--check"' not in f.read():  # e.g. the record-20 archive
+            print(f"{script} has no --check: its options are checked when it runs", flush=True)
             return 0
     return subprocess.run([sys.executable, script, *script_args, "--check"]).returncode
 

@@ -18,8 +18,9 @@ def hp_with(steps, **overrides):
 
 
 def val_line(step, N, loss, ms, timed=None):
-    """A val line as both speedruns print it; `timed` = steps the clock covers (None: all `step`)."""
-    timed = step if timed is None else timed
+    """A val line as both speedruns print it; `timed` = steps the clock covers (None: all `step`, and
+    step 0's average 0.00 as ours and record 89 print it; 0: nan, as older PyTorch records did)."""
+    timed = max(step, 1) if timed is None else timed
     avg = ms / timed if timed else math.nan
     return f"step:{step}/{N} val_loss:{loss:.4f} train_time:{ms:.0f}ms step_avg:{avg:.2f}ms"
 

@@ -19,6 +19,7 @@ from scipy import stats as scipy_stats
 from records import attempt, compare, stats
 from records.logs import parse_log
 from conftest import COMPILE_CACHE, TINY_STEPS
+from data.shards import write_shard
 from log_writers import HP, NVIDIA_SMI, hp_with, write_log, write_torch_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -294,7 +295,9 @@ def test_run_sh_checks_the_scripts_options_before_any_data_work(tmp_path):
     assert r.returncode == 0 and "usage: records/attempt.py" in r.stdout  # the attempt's options, not the script's
     r = subprocess.run([str(repo / "run.sh"), "--check", "--num-scheduled-iterations", "30"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout == "" and not (repo / "data" / "synthetic").exists()  # that only
+    assert r.returncode == 0 and not (repo / "data" / "synthetic").exists()  # that only
+    assert r.stdout == "run.sh --check: no problem found in the options (shards and weight files are read when a " \
+                       "run starts)\n"
     r = subprocess.run([sys.executable, ATTEMPT, "--runs", "2", "--num-scheduled-iterations", "-1"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)  # the driver alone asks too, before run 1
     assert r.returncode == 2 and "--num-scheduled-iterations -1 must be" in r.stderr and "run 1" not in r.stdout
@@ -302,7 +305,8 @@ def test_run_sh_checks_the_scripts_options_before_any_data_work(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with GPUs run.sh downloads 8 FineWeb shards")
 def test_run_sh_leaves_the_data_to_whoever_names_it(tmp_path, fake):
-    """Both data flags: no data work. One: run.sh's data as before, the user's flag after (it wins)."""
+    """Both data flags: no data work. One: FineWeb's shards for the other half (the user's flag after run.sh's
+    data flags: it wins); where FineWeb cannot be had, exit 2, not synthetic shards mixed with the user's."""
     repo, env = repo_copy(tmp_path)
     script, templates, records = fake(finished={5: 3.27})
     r = subprocess.run([str(repo / "run.sh"), "--script", script, "--train-files", "mine/train_*.bin", "--val-files",
@@ -314,13 +318,23 @@ def test_run_sh_leaves_the_data_to_whoever_names_it(tmp_path, fake):
     assert "SYNTHETIC" not in r.stdout and not (repo / "data" / "synthetic").exists()
     assert not (repo / "data" / "fineweb10B").exists()
     (repo / "data" / "synthetic").mkdir()
-    (repo / "data" / "synthetic" / "synthetic_val_000000.bin").touch()  # a complete set: nothing generated
-    r = subprocess.run([str(repo / "run.sh"), "--script", script, "--val-files", "mine/val_*.bin", "--templates",
-                        templates, "--records-dir", records, "--seed", "5"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "training on SYNTHETIC shards" in r.stdout, r.stderr
-    assert ("argv: ['--train-files', 'data/synthetic/synthetic_train_*.bin', '--val-files', "
-            "'data/synthetic/synthetic_val_*.bin', '--val-files', 'mine/val_*.bin',") in r.stdout
+    (repo / "data" / "synthetic" / "synthetic_val_000000.bin").touch()  # a complete synthetic set, not to be used
+
+    def alone(*flag):
+        return subprocess.run([str(repo / "run.sh"), "--script", script, *flag, "--templates", templates,
+                               "--records-dir", records, "--seed", "5"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    r = alone("--val-files", "mine/val_*.bin")  # offline (HF_HUB_OFFLINE), no FineWeb train shard here
+    assert r.returncode == 2 and "argv:" not in r.stdout and "SYNTHETIC" not in r.stdout
+    assert "FineWeb could not be downloaded for the half that --val-files leaves open" in r.stderr, r.stderr
+    assert "give both --train-files and --val-files, or neither" in r.stderr
+    (repo / "data" / "fineweb10B").mkdir(exist_ok=True)  # (the failed download made it)
+    write_shard(str(repo / "data" / "fineweb10B" / "fineweb_val_000000.bin"), np.zeros(1000, np.uint16))
+    r = alone("--train-files", "mine/train_*.bin")  # FineWeb's val shard present: its download skipped, no network
+    assert r.returncode == 0, r.stderr
+    assert "--train-files given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py 0)" in r.stdout
+    assert "argv: ['--train-files', 'mine/train_*.bin', '--templates'," in r.stdout and "SYNTHETIC" not in r.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="with GPUs run.sh downloads 8 FineWeb shards")
@@ -355,6 +369,7 @@ def test_run_sh_script_runs_another_script_once_with_the_data_flags(tmp_path, fa
             f"'data/synthetic/synthetic_val_*.bin', '--templates', '{templates}', '--records-dir', '{records}', "
             f"'--seed', '5']") in r.stdout
     assert "attempt" not in r.stdout and len(list((tmp_path / "records").glob("*.txt"))) == 1
+    assert f"{script} has no --check: its options are checked when it runs" in r.stdout  # (the fake has none)
     r = subprocess.run([str(repo / "run.sh"), "--script", str(tmp_path / "nothing.py")], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"--script {tmp_path / 'nothing.py'}: no such file" in r.stderr

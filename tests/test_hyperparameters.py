@@ -71,7 +71,10 @@ def test_check_answers_for_the_options_alone(tmp_path, capsys):
     assert capsys.readouterr() == ("", "") and not (tmp_path / "records").exists()
     with pytest.raises(SystemExit) as e:  # whole flags only: run.sh and attempt.py look for them so
         tg.main(["--check", "--train-file", missing])
-    assert e.value.code == 2 and "unrecognized arguments: --train-file" in capsys.readouterr().err
+    err = capsys.readouterr().err  # with the nearest flag, under a one-line usage
+    assert e.value.code == 2 and f"unrecognized arguments: --train-file {missing} (did you mean --train-files for " \
+                                 "--train-file?)" in err
+    assert err.splitlines()[0].endswith(" [options]  (--help lists them)") and len(err.splitlines()) == 2
 
 
 def test_attention_auto_is_pallas_on_gpus_and_xla_elsewhere_and_says_so(monkeypatch, capsys, tmp_path):

@@ -44,6 +44,9 @@ def test_the_real_trainers_log_parses(real_logs):
     assert [s for s, *_ in a.val_curve] == TINY_VAL_STEPS
     assert [s for s, *_ in a.train_steps] == list(range(1, N + 1))
     assert a.val_curve[0][1] == pytest.approx(np.log(TINY_VOCAB), abs=0.01)  # near-uniform predictions at init
+    # step 0's average as record 89's train_gpt.py prints it (train time / max(step, 1)), not nan
+    with open(real_logs[0]) as f:
+        assert f"step:0/{TINY_STEPS} val_loss:{a.val_curve[0][1]:.4f} train_time:0ms step_avg:0.00ms\n" in f.read()
     assert a.final_val_loss == pytest.approx(a.val_curve[-1][1], abs=1e-4)
     assert a.train_time_ms == pytest.approx(a.train_steps[-1][1], abs=1) and a.untimed_steps == 0
     assert a.timed_steps == N and a.compile_s > 0 and a.num_iterations == N

@@ -176,7 +176,7 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
                              f"holds token id {largest}, but --vocab-size is {largest}")
     elif case == "records_dir":
         (tmp_path / "a_file").write_text("")
-        overrides, expect = {"--records-dir": str(tmp_path / "a_file" / "records")}, "records"
+        overrides, expect = {"--records-dir": str(tmp_path / "a_file" / "records")}, "a_file is a file, not a folder"
     elif case == "init_weights":
         overrides, expect = {"--init-weights": str(tmp_path / "nothing.npz")}, "nothing.npz"
     elif case == "save_weights":
@@ -186,6 +186,22 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
     assert expect in err and err.startswith("error: ") and "Traceback" not in err, err[-2000:]
     assert case != "bad_magic" or err.rstrip().endswith("if not, make --train-files / --val-files match shards only")
     assert not records.exists() or not any(records.iterdir())
+
+
+def test_check_refuses_output_folders_that_cannot_be_written_and_makes_none(tiny_args, tmp_path, capsys):
+    """--check (run.sh's before any data work) looks at --records-dir and --save-weights' folder as a run
+    would write them, without making them."""
+    (tmp_path / "a_file").write_text("kept")
+    for overrides, expect in [({"--records-dir": tmp_path / "a_file"}, "a_file is a file, not a folder"),
+                              ({"--records-dir": tmp_path / "a_file" / "logs"}, "a_file is a file, not a folder"),
+                              ({"--save-weights": tmp_path / "a_file" / "w.npz"}, "a_file is a file, not a folder"),
+                              ({"--save-weights": tmp_path}, "is a folder: give a file name")]:
+        assert tg.main([*tiny_args(tmp_path / "records", **overrides), "--check"]) == 2, overrides
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and expect in err, err
+    new = tmp_path / "new" / "records"
+    assert tg.main([*tiny_args(new, **{"--save-weights": tmp_path / "new" / "w" / "w.npz"}), "--check"]) == 0
+    assert not (tmp_path / "new").exists() and (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, tmp_path):
