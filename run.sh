@@ -107,7 +107,9 @@ else
         "$script" "$@"
 fi
 if [ "$check_only" = 1 ]; then
-    echo "run.sh --check: no problem found in the options (shards and weight files are read when a run starts)"
+    if python -c 'import sys; from records.attempt import has_check; sys.exit(not has_check(sys.argv[1]))' "$script"; then
+        echo "run.sh --check: no problem found in the options (shards and weight files are read when a run starts)"
+    fi
     exit 0
 fi
 
@@ -120,7 +122,8 @@ if [ "$own_train" = 1 ] && [ "$own_val" = 1 ]; then
     echo "run.sh: --train-files/--val-files given: no data downloaded or generated"
 elif [ -n "$alone" ]; then
     shards=$([ "$alone" = --train-files ] && echo 0 || { [ "$gpus" -gt 0 ] && echo 8 || echo 1; })
-    echo "run.sh: $alone given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py $shards)"
+    echo "run.sh: $alone given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py $shards," \
+         "which also gets the val shard)"
     if ! python data/cached_fineweb10B.py "$shards"; then
         echo "run.sh: FineWeb could not be downloaded for the half that $alone leaves open, and synthetic shards" \
              "mixed with yours would measure nothing: give both --train-files and --val-files, or neither" >&2

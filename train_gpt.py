@@ -2417,16 +2417,20 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
 def check_outputs(records_dir: str, save_path: str = None, create: bool = False) -> None:
     """Raises ConfigError unless the log's folder (and --save-weights' file's) can be written: made
     now (create, a run) or only looked at (--check: the nearest existing folder must let it be made)."""
-    if save_path and os.path.isdir(save_path):
+    if save_path and (os.path.isdir(save_path) or save_path.endswith(os.sep)):
         raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
+    if not records_dir:
+        raise ConfigError("--records-dir is empty: give the folder for the run's log, e.g. records")
     for path, flag in [(records_dir, "--records-dir"),
                        (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
         if path is None:
             continue
         path = existing = os.path.abspath(path)
-        while not os.path.exists(existing):
+        while not os.path.lexists(existing):
             existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
+        if os.path.islink(existing) and not os.path.exists(existing):
+            problem = f"{existing} is a broken link"
+        elif not os.path.isdir(existing):
             problem = f"{existing} is a file, not a folder"
         elif create:
             try:
@@ -2765,10 +2769,14 @@ def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:
 # the stage table comes from the preset, its batch sizes and document lengths also from two flags.
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # a one-line usage, not all 40 options: the error stays in view
+        self.exit(2, f"usage: {self.prog} [options]  (--help lists them)\n{self.prog}: error: {message}\n")
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(  # no abbreviations: run.sh and attempt.py look for whole flags
+    parser = ArgumentParser(  # no abbreviations: run.sh and attempt.py look for whole flags
         description="Train the record-89 GPT (modded-nanogpt speedrun) in JAX on all local devices.", allow_abbrev=False,
-        usage="%(prog)s [options]  (--help lists them)",  # an error's usage line: short, so the error stays in view
     )
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="named configuration; default: record when a GPU is present, else cpu")
@@ -2823,9 +2831,10 @@ def parse_args(argv=None):
         hint = (" (they look like shard files: the shell expanded an unquoted glob; quote it, e.g. "
                 "--train-files 'data/fineweb10B/fineweb_train_*.bin')") if unknown[0].endswith(".bin") else ""
         flags = [f for action in parser._actions for f in action.option_strings if f.startswith("--")]
-        near = {arg: difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.8)  # misspelled flags
+        near = {arg: difflib.get_close_matches(  # misspelled flags (--no-x: only among the --no- ones)
+                    arg.split("=")[0], [f for f in flags if f.startswith("--no-") == arg.startswith("--no-")], 2, 0.75)
                 for arg in unknown if arg.startswith("--")}
-        hint += "".join(f" (did you mean {m[0]} for {arg}?)" for arg, m in near.items() if m)
+        hint += "".join(f" (did you mean {' or '.join(m)} for {arg}?)" for arg, m in near.items() if m)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     overrides = {f.name: getattr(args, f.name) for f in FLAG_FIELDS if getattr(args, f.name) is not None}
     if overrides.get("attention") == "auto":  # main's to resolve (auto_attention)

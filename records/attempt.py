@@ -97,12 +97,17 @@ def parse_args(argv):
     return args, script_args
 
 
-def script_check(script: str, script_args: list) -> int:
-    """The script's own check of its options (train_gpt.py --check), where it has one: its exit code."""
+def has_check(script: str) -> bool:
+    """Whether the script can check its options alone (train_gpt.py --check; the record-20 archive cannot)."""
     with open(script, errors="replace") as f:
-        if 'add_argument("--check"' not in f.read():  # e.g. the record-20 archive
-            print(f"{script} has no --check: its options are checked when it runs", flush=True)
-            return 0
+        return 'add_argument("--check"' in f.read()
+
+
+def script_check(script: str, script_args: list) -> int:
+    """The script's own check of its options, where it has one: its exit code."""
+    if not has_check(script):
+        print(f"{script} has no --check: its options are checked when it runs", flush=True)
+        return 0
     return subprocess.run([sys.executable, script, *script_args, "--check"]).returncode
 
 

@@ -298,6 +298,11 @@ def test_run_sh_checks_the_scripts_options_before_any_data_work(tmp_path):
     assert r.returncode == 0 and not (repo / "data" / "synthetic").exists()  # that only
     assert r.stdout == "run.sh --check: no problem found in the options (shards and weight files are read when a " \
                        "run starts)\n"
+    (tmp_path / "plain.py").write_text("print('trained')\n")  # a script without --check: not said to be checked
+    r = subprocess.run([str(repo / "run.sh"), "--check", "--script", str(tmp_path / "plain.py")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == f"{tmp_path / 'plain.py'} has no --check: its options are checked when it " \
+                                             "runs\n"
     r = subprocess.run([sys.executable, ATTEMPT, "--runs", "2", "--num-scheduled-iterations", "-1"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)  # the driver alone asks too, before run 1
     assert r.returncode == 2 and "--num-scheduled-iterations -1 must be" in r.stderr and "run 1" not in r.stdout
@@ -333,7 +338,7 @@ def test_run_sh_leaves_the_data_to_whoever_names_it(tmp_path, fake):
     write_shard(str(repo / "data" / "fineweb10B" / "fineweb_val_000000.bin"), np.zeros(1000, np.uint16))
     r = alone("--train-files", "mine/train_*.bin")  # FineWeb's val shard present: its download skipped, no network
     assert r.returncode == 0, r.stderr
-    assert "--train-files given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py 0)" in r.stdout
+    assert "--train-files given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py 0," in r.stdout
     assert "argv: ['--train-files', 'mine/train_*.bin', '--templates'," in r.stdout and "SYNTHETIC" not in r.stdout
 
 

@@ -188,20 +188,31 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
     assert not records.exists() or not any(records.iterdir())
 
 
-def test_check_refuses_output_folders_that_cannot_be_written_and_makes_none(tiny_args, tmp_path, capsys):
+def test_check_refuses_output_folders_that_cannot_be_written_and_makes_none(tiny_args, tmp_path, capsys,
+                                                                           monkeypatch):
     """--check (run.sh's before any data work) looks at --records-dir and --save-weights' folder as a run
     would write them, without making them."""
     (tmp_path / "a_file").write_text("kept")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+
+    def check(**overrides):
+        return tg.main([*tiny_args(tmp_path / "records", **overrides), "--check"]), capsys.readouterr().err
+
     for overrides, expect in [({"--records-dir": tmp_path / "a_file"}, "a_file is a file, not a folder"),
                               ({"--records-dir": tmp_path / "a_file" / "logs"}, "a_file is a file, not a folder"),
+                              ({"--records-dir": tmp_path / "gone" / "logs"}, "gone is a broken link"),
+                              ({"--records-dir": ""}, "--records-dir is empty"),
                               ({"--save-weights": tmp_path / "a_file" / "w.npz"}, "a_file is a file, not a folder"),
-                              ({"--save-weights": tmp_path}, "is a folder: give a file name")]:
-        assert tg.main([*tiny_args(tmp_path / "records", **overrides), "--check"]) == 2, overrides
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and expect in err, err
+                              ({"--save-weights": tmp_path}, "is a folder: give a file name"),
+                              ({"--save-weights": f"{tmp_path / 'out'}/"}, "is a folder: give a file name")]:
+        code, err = check(**overrides)
+        assert code == 2 and err.startswith("error: ") and expect in err, (overrides, err)
     new = tmp_path / "new" / "records"
     assert tg.main([*tiny_args(new, **{"--save-weights": tmp_path / "new" / "w" / "w.npz"}), "--check"]) == 0
     assert not (tmp_path / "new").exists() and (tmp_path / "a_file").read_text() == "kept"
+    monkeypatch.setattr(tg.os, "access", lambda path, mode: False)  # (the tests may run as root, who may write anywhere)
+    code, err = check()
+    assert code == 2 and f"{tmp_path} is not writable" in err, err
 
 
 def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, tmp_path):
