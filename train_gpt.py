@@ -2594,6 +2594,8 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
                 finish(pending)
             pending = (step, loss)
     except Interrupted as e:
+        if pending:  # the step on the devices gets its line: the log's last step line is the step named
+            finish(pending)
         e.step = step
         raise
     except (FloatingPointError, DataError):  # (their messages say where)

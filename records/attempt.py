@@ -82,7 +82,7 @@ def parse_args(argv):
     if args.against:
         try:  # now rather than after N runs
             against = stats.expand(args.against, "--against")
-            stats.load_runs(against, skip_incomplete=False)
+            stats.load_runs(against, skip_incomplete=False, fix="name only finished runs' logs in --against")
         except LogError as e:
             parser.error(str(e))
         args.against = against
@@ -167,10 +167,15 @@ def tally(runs: list, total: int) -> str:
     losses = [r.final_loss for r in runs if r.final_loss is not None]
     mean = "no final loss yet" if not losses else f"mean final val loss {statistics.mean(losses):.4f}" + (
         f" (std {statistics.stdev(losses):.4f})" if len(losses) > 1 else "")
-    left = total - len(runs)
-    eta = f"ETA {left * statistics.mean(r.seconds for r in runs) / 60:.1f} min" if left else "all done"
-    return (f"attempt: {len(runs)} of {total} runs done, {sum(r.failed for r in runs)} failed; {mean} over "
-            f"{len(losses)} finished; {eta}")
+    last = runs[-1]
+    if last.code in INTERRUPTED or last.interrupted:  # an interrupted run is not done: the attempt stops
+        done, end = len(runs) - 1, f"stopped: run {last.number} interrupted"
+    else:
+        left = total - len(runs)
+        done, end = len(runs), f"ETA {left * statistics.mean(r.seconds for r in runs) / 60:.1f} min" if left else \
+            "all done"
+    return (f"attempt: {done} of {total} runs done, {sum(r.failed for r in runs)} failed; {mean} over "
+            f"{len(losses)} finished; {end}")
 
 
 def verdict(args, runs: list, total: int, command: str) -> str:

@@ -244,7 +244,10 @@ def main(argv=None) -> int:
         a, b = parse_log(args.a), parse_log(args.b)
         if not args.allow_incomplete:
             for run in (a, b):
-                require_complete(run)
+                try:
+                    require_complete(run)
+                except LogError as e:
+                    raise LogError(f"{e} (--allow-incomplete shows its partial curve)") from None
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import operator
+import os
 import re
 
 RULE = "=" * 100
@@ -217,7 +218,7 @@ def parse_log(path: str) -> RunLog:
             raw = f.read()
         lines = raw.decode("utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as e:
-        raise LogError(f"{path}: cannot read it as a text log ({e})") from None
+        raise LogError(f"{os.path.abspath(path)}: cannot read it as a text log ({e})") from None
     # The embedded source may contain anything, even a rule: the header starts at the first rule
     # followed by "Running Python", and step lines are only looked for after the header.
     starts = [i for i in range(len(lines) - 1) if lines[i] == RULE and lines[i + 1].startswith("Running Python")]

@@ -99,10 +99,10 @@ def runs_needed(mean: float, std: float, target: float, alpha: float, most: int 
     return int(n[np.argmax(power >= POWER)]) if (power >= POWER).any() else None
 
 
-def load_runs(paths: list, skip_incomplete: bool) -> tuple:
-    """(finished runs, notes, failed): one run per distinct log; unfinished runs raise LogError, or
-    with skip_incomplete are left out and named in the notes. failed: the paths of runs stopped by
-    an error (a non-finite loss...), as opposed to interrupted or cut off."""
+def load_runs(paths: list, skip_incomplete: bool, fix: str = "--skip-incomplete leaves unfinished runs out") -> tuple:
+    """(finished runs, notes, failed): one run per distinct log; unfinished runs raise LogError (its
+    message ends with `fix`), or with skip_incomplete are left out and named in the notes. failed: the
+    paths of runs stopped by an error (a non-finite loss...), as opposed to interrupted or cut off."""
     runs, notes, failed, seen = [], [], [], {}
     for path in paths:
         run = parse_log(path)
@@ -121,7 +121,7 @@ def load_runs(paths: list, skip_incomplete: bool) -> tuple:
             try:
                 require_complete(run)
             except LogError as e:
-                raise LogError(f"{e} (--skip-incomplete leaves unfinished runs out)") from None
+                raise LogError(f"{e} ({fix})") from None
     if not runs:
         raise LogError(f"no finished run among {', '.join(paths)} (--skip-incomplete left them all out)")
     return runs, notes, failed
@@ -140,6 +140,24 @@ def configuration_differences(runs: list) -> str:
     what = ["source"] if len({r.source for r in runs}) > 1 else []
     if keys:
         what.append(f"hyperparameters ({', '.join(keys)})")
+    return ", ".join(what)
+
+
+def group_differences(runs: list, against: list) -> str:
+    """What differs between the two groups that makes their losses incomparable ('' if nothing): the
+    validation shards, FineWeb or synthetic training data, our preset (a changed hyperparameter is
+    what an attempt tests, so those may differ)."""
+    def kinds(group, of):
+        return {of(r) for r in group}
+
+    what = []
+    for name, of in [("val_files", lambda r: r.hyperparameters.get("val_files")),
+                     ("train data", lambda r: "synthetic" if "synthetic" in str(r.hyperparameters.get("train_files"))
+                      else "not synthetic"),
+                     ("preset", lambda r: r.preset)]:
+        a, b = kinds(runs, of) - {None}, kinds(against, of) - {None}
+        if a and b and a != b:
+            what.append(f"{name} ({', '.join(map(str, sorted(a)))} vs {', '.join(map(str, sorted(b)))})")
     return ", ".join(what)
 
 
@@ -162,9 +180,29 @@ def describe(label: str, runs: list) -> list:
     return lines
 
 
-def record_test(losses: list, target: float, alpha: float, failed: list = ()) -> list:
+def claim_problems(runs: list) -> list:
+    """Why no record claim can rest on these runs, whatever the t-test says: a seed run more than once
+    (a rerun is no independent sample), shards that are not FineWeb's (data/synthetic.py's)."""
+    problems, by_seed = [], collections.defaultdict(list)
+    for run in runs:
+        if isinstance(run.hyperparameters.get("seed"), int):
+            by_seed[run.hyperparameters["seed"]].append(run.path)
+    for seed, paths in sorted(by_seed.items()):
+        if len(paths) > 1:
+            problems.append(f"seed {seed} ran {len(paths)} times ({', '.join(paths)}): a rerun of a seed is not an "
+                            f"independent sample; give each run its own --seed")
+    synthetic = [r.path for r in runs if any("synthetic" in str(r.hyperparameters.get(k, "")) for k in
+                                             ("train_files", "val_files"))]
+    if synthetic:
+        problems.append(f"{len(synthetic)} run(s) trained or validated on synthetic shards (e.g. {synthetic[0]}): "
+                        f"their losses say nothing about FineWeb")
+    return problems
+
+
+def record_test(losses: list, target: float, alpha: float, failed: list = (), problems: list = ()) -> list:
     """The one-sided t-test of "mean final val loss < target" and the claim it supports; no claim
-    holds with failed runs (they have no final loss, and a record counts every run)."""
+    holds with failed runs (they have no final loss, and a record counts every run), nor with
+    claim_problems."""
     n, p, lines = len(losses), None, []
     if n < 2:
         lines.append("one run: no t-test (it needs at least 2 runs)")
@@ -179,6 +217,8 @@ def record_test(losses: list, target: float, alpha: float, failed: list = ()) ->
     if failed:
         lines.append(f"record claim does NOT hold: {len(failed)} run(s) failed ({', '.join(failed)}); a record "
                      f"counts every run, and a failed run has no final loss")
+    elif problems:
+        lines += [f"record claim does NOT hold: {problem}" for problem in problems]
     elif p is not None and p < alpha:
         lines.append(f"record claim holds at p<{alpha:g}")
     elif p is not None:
@@ -382,9 +422,11 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     losses = [r.final_val_loss for r in runs]
-    lines = (notes + describe("runs", runs) + record_test(losses, args.target, args.alpha, failed)
+    lines = (notes + describe("runs", runs) + record_test(losses, args.target, args.alpha, failed, claim_problems(runs))
              + spread_lines(losses, args.target, args.alpha))
     if against:
+        if differences := group_differences(runs, against):
+            against_notes.append(f"note: the two groups differ in {differences}: their losses are not comparable")
         lines += ["", *against_notes, *describe("--against runs", against),
                   *two_group_test(losses, [r.final_val_loss for r in against], args.alpha),
                   *paired_test(runs, against, args.alpha), *time_test(runs, against, args.alpha)]

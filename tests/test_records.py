@@ -197,10 +197,16 @@ def test_compare_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys
     assert "pip install matplotlib" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
 
 
-def test_compare_allow_incomplete_shows_the_partial_curve(tmp_path, capsys):
+def test_compare_allow_incomplete_shows_the_partial_curve(tmp_path, capsys, monkeypatch):
     rng = np.random.default_rng()
     a = write_log(tmp_path / "a.txt", HP, random_curve(rng), 100.0)
     b = write_log(tmp_path / "b.txt", HP, random_curve(rng), 100.0, end="interrupted")
+    assert compare.main([a, b]) == 2  # refused, saying how to see it anyway
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {b}: the run did not finish") and "(--allow-incomplete shows its partial" in err
+    monkeypatch.chdir(tmp_path)
+    assert compare.main([a, "nothing.txt"]) == 2  # a missing file, named by its absolute path
+    assert f"error: {tmp_path / 'nothing.txt'}: cannot read it as a text log" in capsys.readouterr().err
     assert compare.main([a, b, "--allow-incomplete"]) == 0
     out = capsys.readouterr().out
     assert "interrupted at step 20: partial curve" in out
@@ -366,9 +372,9 @@ def test_compare_two_pytorch_logs_diffs_their_sources(tmp_path, capsys):
 # ---- stats
 
 def stats_logs(tmp_path, losses, name="r", writer="ours"):
-    """One complete log per final loss."""
+    """One complete log per final loss (ours: seeds 0, 1, ...)."""
     if writer == "ours":
-        return [write_log(tmp_path / f"{name}{i}.txt", HP, [10.8, 5, 4, 3.5, x], 100.0 + i)
+        return [write_log(tmp_path / f"{name}{i}.txt", dataclasses.replace(HP, seed=i), [10.8, 5, 4, 3.5, x], 100.0 + i)
                 for i, x in enumerate(losses)]
     return [write_torch_log(tmp_path / f"{name}{i}.txt", [10.8, 5, 4, 3.5, x], step_ms=120.0 + i)
             for i, x in enumerate(losses)]
@@ -414,6 +420,31 @@ def test_stats_claim_line_only_when_significant(tmp_path, capsys):
     assert stats.main(stats_logs(tmp_path, [3.25, 3.25], "same")) == 0
     out = capsys.readouterr().out
     assert "t-test is undefined" in out and "vary --seed" in out and "record claim" not in out
+
+
+def test_no_record_claim_from_a_repeated_seed_or_synthetic_shards(tmp_path, capsys):
+    """Losses far below the target, but: seed 1 twice (a rerun is no new sample: counted as two, it
+    would shrink p), or synthetic shards (data/synthetic.py's: nothing about FineWeb)."""
+    low = [3.270, 3.272, 3.271, 3.273]
+    rerun = [write_log(tmp_path / f"s{i}.txt", dataclasses.replace(HP, seed=seed), [10.8, 5, 4, 3.5, x], 100.0)
+             for i, (seed, x) in enumerate(zip([0, 1, 1, 2], low))]
+    assert stats.main(rerun) == 0
+    out = capsys.readouterr().out
+    assert "record claim holds" not in out and f"record claim does NOT hold: seed 1 ran 2 times ({rerun[1]}, " \
+                                                f"{rerun[2]}): a rerun of a seed is not an independent sample" in out
+    synthetic = dataclasses.replace(HP, train_files="data/synthetic/synthetic_train_*.bin",
+                                    val_files="data/synthetic/synthetic_val_*.bin")
+    fake = [write_log(tmp_path / f"y{i}.txt", dataclasses.replace(synthetic, seed=i), [10.8, 5, 4, 3.5, x],
+                      100.0 + i) for i, x in enumerate(low)]
+    assert stats.main(fake) == 0
+    out = capsys.readouterr().out
+    assert "record claim holds" not in out and "p = " in out  # the test itself is still shown
+    assert f"record claim does NOT hold: 4 run(s) trained or validated on synthetic shards (e.g. {fake[0]})" in out
+    # and a comparison of groups on other validation shards says they are not comparable
+    assert stats.main(stats_logs(tmp_path, [3.275, 3.278, 3.276, 3.279], "f") + ["--against", *fake]) == 0
+    assert ("note: the two groups differ in val_files (data/fineweb10B/fineweb_val_*.bin vs "
+            "data/synthetic/synthetic_val_*.bin), train data (not synthetic vs synthetic): their losses are not "
+            "comparable") in capsys.readouterr().out
 
 
 def test_stats_without_scipy_gives_t_but_no_claim(tmp_path, capsys, monkeypatch):

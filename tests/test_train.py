@@ -344,8 +344,11 @@ def test_sigterm_ends_the_log_with_interrupted(tiny_args, tmp_path):
     finally:
         proc.kill()
     (log_path,) = records.iterdir()
-    last = log_path.read_text().rstrip().splitlines()[-1]
+    *_, before, last = log_path.read_text().rstrip().splitlines()
     assert last.startswith("interrupted at step ") and "SIGTERM" in last
+    # numbered as the step lines are: the line before is that step's (the one on the devices ends first)
+    interrupted_at = re.search(r"at step (\d+)", last).group(1)
+    assert before.startswith(f"step:{interrupted_at}/"), (before, last)
 
 
 def test_ctrl_c_while_compiling_writes_no_log_and_no_traceback(tiny_args, tmp_path):
