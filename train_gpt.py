@@ -2562,6 +2562,8 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
     try:
         for step in range(N + 1):
             if stop:
+                if pending:  # the step on the devices gets its line: the log's last step line is the step named
+                    finish(pending)
                 raise Interrupted(stop[0])
             if step in validations:
                 if pending:
@@ -2594,8 +2596,6 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
                 finish(pending)
             pending = (step, loss)
     except Interrupted as e:
-        if pending:  # the step on the devices gets its line: the log's last step line is the step named
-            finish(pending)
         e.step = step
         raise
     except (FloatingPointError, DataError):  # (their messages say where)

@@ -145,17 +145,19 @@ def configuration_differences(runs: list) -> str:
 
 def group_differences(runs: list, against: list) -> str:
     """What differs between the two groups that makes their losses incomparable ('' if nothing): the
-    validation shards, FineWeb or synthetic training data, our preset (a changed hyperparameter is
-    what an attempt tests, so those may differ)."""
-    def kinds(group, of):
-        return {of(r) for r in group}
+    validation shards and preset of our logs (a PyTorch script names its shards by an expression),
+    FineWeb or synthetic training data (a changed hyperparameter is what an attempt tests, so those
+    may differ)."""
+    def kinds(group, of, ours_only):
+        return {of(r) for r in group if r.layout == OURS or not ours_only}
 
     what = []
-    for name, of in [("val_files", lambda r: r.hyperparameters.get("val_files")),
-                     ("train data", lambda r: "synthetic" if "synthetic" in str(r.hyperparameters.get("train_files"))
-                      else "not synthetic"),
-                     ("preset", lambda r: r.preset)]:
-        a, b = kinds(runs, of) - {None}, kinds(against, of) - {None}
+    for name, of, ours_only in [
+            ("val_files", lambda r: os.path.normpath(r.hyperparameters["val_files"]) if "val_files" in
+             r.hyperparameters else None, True),
+            ("train data", lambda r: "synthetic" if synthetic(r) else "not synthetic", False),
+            ("preset", lambda r: r.preset, True)]:
+        a, b = kinds(runs, of, ours_only) - {None}, kinds(against, of, ours_only) - {None}
         if a and b and a != b:
             what.append(f"{name} ({', '.join(map(str, sorted(a)))} vs {', '.join(map(str, sorted(b)))})")
     return ", ".join(what)
@@ -180,22 +182,26 @@ def describe(label: str, runs: list) -> list:
     return lines
 
 
+def synthetic(run, key: str = "train_files") -> bool:
+    """Whether the run's shards (hyperparameter `key`) are data/synthetic.py's (named synthetic_*.bin)."""
+    return os.path.basename(str(run.hyperparameters.get(key, ""))).startswith("synthetic_")
+
+
 def claim_problems(runs: list) -> list:
-    """Why no record claim can rest on these runs, whatever the t-test says: a seed run more than once
-    (a rerun is no independent sample), shards that are not FineWeb's (data/synthetic.py's)."""
+    """Why no record claim can rest on these runs, whatever the t-test says: a seed that ran more than
+    once among our logs (the seed draws the initialisation, a run's only randomness: a rerun is no
+    independent sample; PyTorch logs name no seed), shards that are data/synthetic.py's."""
     problems, by_seed = [], collections.defaultdict(list)
     for run in runs:
-        if isinstance(run.hyperparameters.get("seed"), int):
+        if run.layout == OURS and isinstance(run.hyperparameters.get("seed"), int):
             by_seed[run.hyperparameters["seed"]].append(run.path)
     for seed, paths in sorted(by_seed.items()):
         if len(paths) > 1:
             problems.append(f"seed {seed} ran {len(paths)} times ({', '.join(paths)}): a rerun of a seed is not an "
                             f"independent sample; give each run its own --seed")
-    synthetic = [r.path for r in runs if any("synthetic" in str(r.hyperparameters.get(k, "")) for k in
-                                             ("train_files", "val_files"))]
-    if synthetic:
-        problems.append(f"{len(synthetic)} run(s) trained or validated on synthetic shards (e.g. {synthetic[0]}): "
-                        f"their losses say nothing about FineWeb")
+    if fake := [r.path for r in runs if synthetic(r) or synthetic(r, "val_files")]:
+        problems.append(f"{len(fake)} run(s) trained or validated on synthetic shards (e.g. {fake[0]}): their losses "
+                        f"say nothing about FineWeb")
     return problems
 
 
@@ -215,9 +221,9 @@ def record_test(losses: list, target: float, alpha: float, failed: list = (), pr
                      if p is None else
                      f"one-sided t-test, H1: mean final val loss < {target}: t = {t:.3f}, df = {n - 1}, p = {p:.3g}")
     if failed:
-        lines.append(f"record claim does NOT hold: {len(failed)} run(s) failed ({', '.join(failed)}); a record "
-                     f"counts every run, and a failed run has no final loss")
-    elif problems:
+        problems = [f"{len(failed)} run(s) failed ({', '.join(failed)}); a record counts every run, and a failed run "
+                    f"has no final loss", *problems]
+    if problems:
         lines += [f"record claim does NOT hold: {problem}" for problem in problems]
     elif p is not None and p < alpha:
         lines.append(f"record claim holds at p<{alpha:g}")

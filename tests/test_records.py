@@ -440,11 +440,23 @@ def test_no_record_claim_from_a_repeated_seed_or_synthetic_shards(tmp_path, caps
     out = capsys.readouterr().out
     assert "record claim holds" not in out and "p = " in out  # the test itself is still shown
     assert f"record claim does NOT hold: 4 run(s) trained or validated on synthetic shards (e.g. {fake[0]})" in out
+    elsewhere = dataclasses.replace(HP, train_files="data/nonsynthetic/fineweb_train_*.bin")  # FineWeb's names
+    assert stats.main([write_log(tmp_path / f"n{i}.txt", dataclasses.replace(elsewhere, seed=i), [10.8, 5, 4, 3.5, x],
+                                 100.0 + i) for i, x in enumerate(low)]) == 0
+    assert "record claim holds at p<0.01" in capsys.readouterr().out
     # and a comparison of groups on other validation shards says they are not comparable
     assert stats.main(stats_logs(tmp_path, [3.275, 3.278, 3.276, 3.279], "f") + ["--against", *fake]) == 0
     assert ("note: the two groups differ in val_files (data/fineweb10B/fineweb_val_*.bin vs "
             "data/synthetic/synthetic_val_*.bin), train data (not synthetic vs synthetic): their losses are not "
             "comparable") in capsys.readouterr().out
+    # record 89's script names its shards by an expression (os.path.join(data_path, ...)): no note for that
+    script = TORCH_89_HYPERPARAMETERS.replace('"data/fineweb10B/fineweb_val_*.bin"',
+                                              'os.path.join(data_path, "data/fineweb10B/fineweb_val_*.bin")')
+    torch = [write_torch_log(tmp_path / f"t{i}.txt", [10.8, 5, 4, 3.5, x], step_ms=120.0 + i, hyperparameters=script)
+             for i, x in enumerate([3.277, 3.279, 3.278])]
+    assert stats.main(stats_logs(tmp_path, [3.275, 3.278, 3.276, 3.279], "g") + ["--against", *torch]) == 0
+    out = capsys.readouterr().out
+    assert "Welch's t-test" in out and "differ in" not in out
 
 
 def test_stats_without_scipy_gives_t_but_no_claim(tmp_path, capsys, monkeypatch):
