@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -97,6 +98,23 @@ def test_offline_download_fails_fast_and_names_the_repo(tmp_path, capsys, monkey
     assert time.perf_counter() - t0 < 5
     err = capsys.readouterr().err
     assert code == 2 and "kjj0/fineweb10B-gpt2" in err and "fineweb_train_000001.bin" in err
+
+
+def test_a_hub_whose_name_does_not_resolve_fails_at_once(tmp_path, capsys, monkeypatch):
+    """No network: the name lookup fails, and the download says so without huggingface_hub's retries."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # (conftest sets it for the test run)
+
+    def no_dns(host, port, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    t0 = time.perf_counter()
+    assert cached_fineweb10B.main(["1", "--out", str(tmp_path)]) == 2
+    assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err
+    assert "(ConnectionError: cannot resolve huggingface.co: Name or service not known)" in err
+    assert "Connect to the internet" in err and "fineweb_train_000001.bin" in err
 
 
 @pytest.mark.parametrize("n", [-1, 104, 100_000])
