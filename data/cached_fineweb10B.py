@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import urllib.parse
+import urllib.request
 
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
@@ -39,7 +40,8 @@ def hf_download(name: str, out_dir: str) -> str:
     """One file from the hub (never snapshot_download: offline it returns an empty folder, no error)."""
     from huggingface_hub import constants, hf_hub_download
 
-    if not constants.HF_HUB_OFFLINE:  # (offline mode fails at once, with its own message)
+    # (offline mode fails at once, with its own message; behind a proxy, the proxy looks names up)
+    if not constants.HF_HUB_OFFLINE and not urllib.request.getproxies().keys() & {"https", "all"}:
         resolve(urllib.parse.urlparse(constants.ENDPOINT).hostname)
     return hf_hub_download(repo_id=REPO_ID, filename=name, repo_type="dataset", local_dir=out_dir)
 

@@ -115,6 +115,14 @@ def test_a_hub_whose_name_does_not_resolve_fails_at_once(tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert "(ConnectionError: cannot resolve huggingface.co: Name or service not known)" in err
     assert "Connect to the internet" in err and "fineweb_train_000001.bin" in err
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # behind a proxy the proxy resolves: no lookup here
+
+    def through_the_proxy(**kwargs):  # (a stand-in: huggingface_hub would retry the dead proxy for ~25 s)
+        raise ConnectionError("the proxy did not answer")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", through_the_proxy)
+    assert cached_fineweb10B.main(["1", "--out", str(tmp_path)]) == 2
+    assert "(ConnectionError: the proxy did not answer)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n", [-1, 104, 100_000])
