@@ -19,7 +19,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete  # noqa: E402
+from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete,  # noqa: E402
+                          synthetic_shards)
 from records.stats import TARGET  # noqa: E402
 
 BASELINES = {name: os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}_curve.tsv")
@@ -198,8 +199,12 @@ def plot(a, b, path: str, baseline=None, baseline_name="", target: float = TARGE
     grid = fig.add_gridspec(2, 3, height_ratios=(1, 1.4))
     axes = [fig.add_subplot(grid[0, i]) for i in range(3)]
     decisive = fig.add_subplot(grid[1, :])
-    short = {OURS: "JAX", PYTORCH: "PyTorch"}
-    curves = [(f"{label}: {os.path.basename(r.path)} ({short[r.layout]})", r.val_curve, r.num_iterations)
+    def kind(r):  # the language, and for ours the preset and whether the shards are synthetic
+        if r.layout == PYTORCH:
+            return "PyTorch"
+        return f"JAX, preset {r.preset}" + (", synthetic shards" if synthetic_shards(r) else "")
+
+    curves = [(f"{label}: {os.path.basename(r.path)} ({kind(r)})", r.val_curve, r.num_iterations)
               for label, r in (("A", a), ("B", b))]
     if baseline:
         curves.append((f"{baseline_name} (PyTorch, 8xH100)", baseline, baseline[-1][0]))

@@ -294,6 +294,11 @@ def _read_body(run: RunLog, lines: list) -> None:
         raise LogError(f"{run.path} says 'run complete' but has no summary line; was the log edited?")
 
 
+def synthetic_shards(run: RunLog, key: str = "train_files") -> bool:
+    """Whether the run's shards (hyperparameter `key`) are data/synthetic.py's (named synthetic_*.bin)."""
+    return os.path.basename(str(run.hyperparameters.get(key, ""))).startswith("synthetic_")
+
+
 def require_complete(run: RunLog) -> RunLog:
     """Only finished runs have a final val loss and a total time to compare or test."""
     if not run.finished:

@@ -27,7 +27,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete  # noqa: E402
+from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete,  # noqa: E402
+                          synthetic_shards)
 
 TARGET, ALPHA = 3.28, 0.01  # the speedrun's rule: mean final val loss below 3.28 at p < 0.01
 RECORD_RUNS, RECORD_STD = 13, 0.0014  # record 89's published final losses (2026-07-17; their mean: 3.2784)
@@ -155,7 +156,7 @@ def group_differences(runs: list, against: list) -> str:
     for name, of, ours_only in [
             ("val_files", lambda r: os.path.normpath(r.hyperparameters["val_files"]) if "val_files" in
              r.hyperparameters else None, True),
-            ("train data", lambda r: "synthetic" if synthetic(r) else "not synthetic", False),
+            ("train data", lambda r: "synthetic" if synthetic_shards(r) else "not synthetic", False),
             ("preset", lambda r: r.preset, True)]:
         a, b = kinds(runs, of, ours_only) - {None}, kinds(against, of, ours_only) - {None}
         if a and b and a != b:
@@ -182,11 +183,6 @@ def describe(label: str, runs: list) -> list:
     return lines
 
 
-def synthetic(run, key: str = "train_files") -> bool:
-    """Whether the run's shards (hyperparameter `key`) are data/synthetic.py's (named synthetic_*.bin)."""
-    return os.path.basename(str(run.hyperparameters.get(key, ""))).startswith("synthetic_")
-
-
 def claim_problems(runs: list) -> list:
     """Why no record claim can rest on these runs, whatever the t-test says: a seed that ran more than
     once among our logs (the seed draws the initialisation, a run's only randomness: a rerun is no
@@ -199,7 +195,7 @@ def claim_problems(runs: list) -> list:
         if len(paths) > 1:
             problems.append(f"seed {seed} ran {len(paths)} times ({', '.join(paths)}): a rerun of a seed is not an "
                             f"independent sample; give each run its own --seed")
-    if fake := [r.path for r in runs if synthetic(r) or synthetic(r, "val_files")]:
+    if fake := [r.path for r in runs if synthetic_shards(r) or synthetic_shards(r, "val_files")]:
         problems.append(f"{len(fake)} run(s) trained or validated on synthetic shards (e.g. {fake[0]}): their losses "
                         f"say nothing about FineWeb")
     return problems

@@ -186,7 +186,11 @@ def test_compare_plot_is_a_png_with_both_runs_and_the_baseline(tmp_path, capsys)
     assert [len(ax.lines) for ax in fig.axes] == [3, 3, 3, 4]
     assert list(fig.axes[0].lines[1].get_ydata()) == [v for _, v, _ in parse_log(b).val_curve]
     assert list(fig.axes[1].lines[1].get_xdata()) == [s / 40 for s, _, _ in parse_log(b).val_curve]
-    assert "(PyTorch)" in fig.axes[0].lines[1].get_label() and "(JAX)" in fig.axes[0].lines[0].get_label()
+    assert "(PyTorch)" in fig.axes[0].lines[1].get_label() and "(JAX, preset cpu)" in fig.axes[0].lines[0].get_label()
+    fake = write_log(tmp_path / "s.txt", dataclasses.replace(HP, train_files="data/synthetic/synthetic_train_*.bin"),
+                     random_curve(rng), 100.0)  # a run on synthetic shards says so beside the record's curve
+    fig = compare.plot(parse_log(fake), parse_log(b), str(out), baseline, "record20")
+    assert fig.axes[0].lines[0].get_label() == "A: s.txt (JAX, preset cpu, synthetic shards)"
 
 
 def test_compare_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
