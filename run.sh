@@ -107,7 +107,8 @@ else
         "$script" "$@"
 fi
 if [ "$check_only" = 1 ]; then
-    if python -c 'import sys; from records.attempt import has_check; sys.exit(not has_check(sys.argv[1]))' "$script"; then
+    if python -c 'import sys; from records.attempt import has_check; sys.exit(not has_check(sys.argv[1]))' \
+            "$script"; then
         echo "run.sh --check: no problem found in the options (shards and weight files are read when a run starts)"
     fi
     exit 0

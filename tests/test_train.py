@@ -210,7 +210,7 @@ def test_check_refuses_output_folders_that_cannot_be_written_and_makes_none(tiny
     new = tmp_path / "new" / "records"
     assert tg.main([*tiny_args(new, **{"--save-weights": tmp_path / "new" / "w" / "w.npz"}), "--check"]) == 0
     assert not (tmp_path / "new").exists() and (tmp_path / "a_file").read_text() == "kept"
-    monkeypatch.setattr(tg.os, "access", lambda path, mode: False)  # (the tests may run as root, who may write anywhere)
+    monkeypatch.setattr(tg.os, "access", lambda path, mode: False)  # (tests may run as root, who writes anywhere)
     code, err = check()
     assert code == 2 and f"{tmp_path} is not writable" in err, err
 
