@@ -15,6 +15,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 import urllib.parse
 import urllib.request
 
@@ -41,18 +42,25 @@ def hf_download(name: str, out_dir: str) -> str:
     from huggingface_hub import constants, hf_hub_download
 
     # (offline mode fails at once, with its own message; behind a proxy, the proxy looks names up)
-    if not constants.HF_HUB_OFFLINE and not urllib.request.getproxies().keys() & {"https", "all"}:
-        resolve(urllib.parse.urlparse(constants.ENDPOINT).hostname)
+    endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+    if not constants.HF_HUB_OFFLINE and not urllib.request.getproxies().keys() & {endpoint.scheme, "all"}:
+        resolve(endpoint.hostname)
     return hf_hub_download(repo_id=REPO_ID, filename=name, repo_type="dataset", local_dir=out_dir)
 
 
-def resolve(host: str) -> None:
+def resolve(host: str, tries: int = 3) -> None:
     """The hub's name looked up first: where that fails (no network), huggingface_hub would retry the
-    request 5 times over ~25 s; a ConnectionError now says so at once."""
-    try:
-        socket.getaddrinfo(host, 443)
-    except socket.gaierror as e:
-        raise ConnectionError(f"cannot resolve {host}: {e.strerror}") from None
+    request 5 times over ~25 s; a ConnectionError says so after `tries` lookups a second apart (a
+    passing DNS outage looks the same as none)."""
+    for attempt in range(tries):
+        try:
+            socket.getaddrinfo(host, 443)
+            return
+        except socket.gaierror as e:
+            failure = e
+        if attempt < tries - 1:
+            time.sleep(1)
+    raise ConnectionError(f"cannot resolve {host}: {failure.strerror}")
 
 
 def first_line(e: Exception) -> str:

@@ -295,8 +295,10 @@ def _read_body(run: RunLog, lines: list) -> None:
 
 
 def synthetic_shards(run: RunLog, key: str = "train_files") -> bool:
-    """Whether the run's shards (hyperparameter `key`) are data/synthetic.py's (named synthetic_*.bin)."""
-    return os.path.basename(str(run.hyperparameters.get(key, ""))).startswith("synthetic_")
+    """Whether the run's shards (hyperparameter `key`, a glob) are data/synthetic.py's: named
+    synthetic_*.bin, or in its default folder data/synthetic."""
+    folder, name = os.path.split(os.path.normpath(str(run.hyperparameters.get(key, ""))))
+    return name.startswith("synthetic_") or os.path.basename(folder) == "synthetic"
 
 
 def require_complete(run: RunLog) -> RunLog:

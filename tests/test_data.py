@@ -103,17 +103,20 @@ def test_offline_download_fails_fast_and_names_the_repo(tmp_path, capsys, monkey
 def test_a_hub_whose_name_does_not_resolve_fails_at_once(tmp_path, capsys, monkeypatch):
     """No network: the name lookup fails, and the download says so without huggingface_hub's retries."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # (conftest sets it for the test run)
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):  # (conftest sets the
+        monkeypatch.delenv(name, raising=False)  # first; the others may come from the shell running the tests)
+    lookups = []
 
     def no_dns(host, port, *args, **kwargs):
-        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        lookups.append(host)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_dns)
     t0 = time.perf_counter()
     assert cached_fineweb10B.main(["1", "--out", str(tmp_path)]) == 2
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 5 and lookups == ["huggingface.co"] * 3  # three tries, a second apart
     err = capsys.readouterr().err
-    assert "(ConnectionError: cannot resolve huggingface.co: Name or service not known)" in err
+    assert "(ConnectionError: cannot resolve huggingface.co: Temporary failure in name resolution)" in err
     assert "Connect to the internet" in err and "fineweb_train_000001.bin" in err
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # behind a proxy the proxy resolves: no lookup here
 

@@ -444,6 +444,8 @@ def test_no_record_claim_from_a_repeated_seed_or_synthetic_shards(tmp_path, caps
     out = capsys.readouterr().out
     assert "record claim holds" not in out and "p = " in out  # the test itself is still shown
     assert f"record claim does NOT hold: 4 run(s) trained or validated on synthetic shards (e.g. {fake[0]})" in out
+    other_glob = dataclasses.replace(HP, train_files="data/synthetic/*train*.bin")  # its default folder, any glob
+    assert stats.claim_problems([parse_log(write_log(tmp_path / "g.txt", other_glob, [10.8, 5, 4, 3.5, 3.2], 100.0))])
     elsewhere = dataclasses.replace(HP, train_files="data/nonsynthetic/fineweb_train_*.bin")  # FineWeb's names
     assert stats.main([write_log(tmp_path / f"n{i}.txt", dataclasses.replace(elsewhere, seed=i), [10.8, 5, 4, 3.5, x],
                                  100.0 + i) for i, x in enumerate(low)]) == 0
