@@ -534,7 +534,7 @@ def test_compare_plot_has_a_decisive_panel_around_the_target(tmp_path):
     assert bottom < 3.2779 and 3.2803 < top and bottom < 3.28 < top and bottom < 3.2785 < top  # baseline's too
     (target,) = [line for line in decisive.lines if line.get_label() == "target 3.28"]
     assert list(target.get_ydata()) == [3.28, 3.28]
-    assert [line.get_label() for line in decisive.lines[:2]] == ["A: a.txt (JAX): last 3.2779",
+    assert [line.get_label() for line in decisive.lines[:2]] == ["A: a.txt (JAX, preset cpu): last 3.2779",
                                                                   "B: b.txt (PyTorch): last 3.2803"]
     assert list(decisive.lines[0].get_ydata()) == [10.83, 4.41, 3.61, 3.36, 3.2779]
     left, right = decisive.get_xlim()  # from the last point above the panel (the baseline's, at step 625) on

@@ -116,7 +116,10 @@ def test_polar_express_against_float64(shape, split):
     def rel(oracle):
         return np.linalg.norm(out - oracle, axis=(-2, -1)) / np.linalg.norm(oracle, axis=(-2, -1))
 
-    assert np.all(rel(np_polar_express(G, False)) < 0.05)  # bf16 iterations vs exact arithmetic
+    # bf16 iterations vs exact arithmetic: the worst of 32 matrices was 0.030 in the median draw and 0.053 at
+    # worst in 1,500 draws of (8, 16, 40) (one over 0.05: CI failed once at that bound); a bug is off by O(1)
+    exact = rel(np_polar_express(G, False))
+    assert np.all(exact < 0.08), exact.max()
     # the same roundings in the same order: here most matrices come out bit-identical and the rest differ
     # by a rounding flip that spread (mean ~0.1%); a CPU that sums the fp32 products in another order
     # flips more (CI once saw none bit-identical, mean 0.5%). Another order of the bf16 roundings (split
