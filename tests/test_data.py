@@ -397,3 +397,31 @@ def test_run_sh_help_answers_before_any_data_work(tmp_path):
     assert "--num-scheduled-iterations" in r.stdout and "--stage-batch-sizes" in r.stdout  # train_gpt.py --help
     assert list(repo.rglob("*.bin")) == [] and not (repo / "data" / "fineweb10B").exists()
     assert not (repo / "data" / "synthetic").exists()
+
+
+def test_run_sh_runs_pip_only_when_the_requirements_changed(tmp_path):
+    """run.sh's pip step is skipped when this environment already got the same requirements (a stamp in
+    its folder): a changed requirements.txt installs again, and a failed install leaves no stamp."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ["run.sh", "train_gpt.py", "requirements.txt"]:
+        shutil.copy2(ROOT / name, repo / name)
+    venv = tmp_path / "venv"  # the stamps' folder; python and its packages stay the test run's
+    venv.mkdir()
+    venv_bin = os.path.dirname(sys.executable)
+    env = dict(os.environ, VIRTUAL_ENV=str(venv), PATH=venv_bin + os.pathsep + os.environ["PATH"], PIP_NO_INDEX="1")
+
+    def run():
+        return subprocess.run([str(repo / "run.sh"), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    assert run().returncode == 0
+    (first,) = venv.glob(".run_sh_pip_*")
+    assert run().returncode == 0 and list(venv.glob(".run_sh_pip_*")) == [first]  # the same: no pip
+    with open(repo / "requirements.txt", "a") as f:
+        f.write("# changed\n")
+    assert run().returncode == 0 and len(list(venv.glob(".run_sh_pip_*"))) == 2  # changed: pip ran, stamped
+    with open(repo / "requirements.txt", "a") as f:
+        f.write("no-such-package-anywhere==1.0\n")
+    r = run()
+    assert r.returncode != 0 and len(list(venv.glob(".run_sh_pip_*"))) == 2  # failed: no stamp, pip again next time
