@@ -414,10 +414,11 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
     assert result["preset"] == "smoke" and result["chunks_per_device"] == 8
     c = result["compile"]
     assert set(c) == {"cache", "first_s", "first_loaded", "again_s", "again_loaded", "programs"}
-    assert c["cache"] == COMPILE_CACHE and c["first_s"] > 0 and c["again_s"] > 0
-    assert c["programs"] == c["first_loaded"] == c["again_loaded"] == 2  # one train program, the validation step
+    assert c["cache"] == COMPILE_CACHE and c["first_s"] > 0
+    assert c["programs"] == c["first_loaded"] == 2  # one train program, the validation step
+    assert c["again_s"] is None and c["again_loaded"] is None  # all loaded: that was the warm compile
     assert (f"compile: the train programs and the validation step {c['first_s']:.1f}s with the persistent cache "
-            f"{COMPILE_CACHE} (2 of 2 programs loaded from it), {c['again_s']:.1f}s warm") in table
+            f"{COMPILE_CACHE} (2 of 2 programs loaded from it), so that was the warm compile (no second one)") in table
     assert result["memory"]["peak_mib"] is None and "n/a" in result["memory"]["peak_source"]
     assert result["memory"]["compiled_peak_mib"] > 0
     t = result["train_step"]
