@@ -76,13 +76,14 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
 fi
 pip_once() {  # pip install ARGS, unless this environment already got exactly these (a stamp in its folder,
     # named by a hash of the Python version, the arguments and the files they name): ~2 s saved a call.
-    # --no-compile: Python compiles what it imports when it first does (the whole packages' bytecode
-    # took 31 of the 54 s that requirements.txt and tests/requirements.txt took to install on 2 cores)
+    # (Not --no-compile, although the bytecode takes 31 of the 54 s of a fresh install on 2 cores: with
+    # PYTHONDONTWRITEBYTECODE set, as on the CI machine, every process would then compile every import:
+    # the suite took 994 s of CPU instead of 834)
     local key
     key=$( (python -V 2>&1; printf '%s\n' "$@"; for arg in "$@"; do if [ -f "$arg" ]; then cat "$arg"; fi; done) |
           sha256sum | cut -c1-16)
     if [ ! -e "$VIRTUAL_ENV/.run_sh_pip_$key" ]; then
-        python -m pip install -q --disable-pip-version-check --no-compile "$@"
+        python -m pip install -q --disable-pip-version-check "$@"
         touch "$VIRTUAL_ENV/.run_sh_pip_$key"
     fi
 }
