@@ -354,7 +354,8 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
         sec = seconds_per_call(compiled, (trainable, inputs, targets, a), repeats)
         docs = documents(inputs_RxT[:1, :T], hp.bos_id)
         name = f"model fwd+bwd {attention}{gemm_kernels_named(hp)} stage {tg.stage_of(first, hp)[0]} T={T}"
-        table.add(f"{name} W={short}/{long}", sec, tokens=T, flops=model_flops(hp, docs, short, long), compiled=compiled, compile_s=compile_s)
+        table.add(f"{name} W={short}/{long}", sec, tokens=T, flops=model_flops(hp, docs, short, long),
+                  compiled=compiled, compile_s=compile_s)
 
 
 # -----------------------------------------------------------------------------

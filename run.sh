@@ -128,26 +128,29 @@ if [ "$check_only" = 1 ]; then
 fi
 
 data_flags=()
+# record 89 reads 339M tokens (410M of shards: BOS-aligned batches skip to the next shard); record 20's
+# archive 730M: 8 train shards of 100M tokens serve both on GPUs; one shows that the pipeline trains
+train_shards=$([ "$gpus" -gt 0 ] && echo 8 || echo 1)
 alone=""  # the one data flag given without the other: FineWeb supplies the other half, never synthetic shards
-if [ "$own_train" != "$own_val" ]; then
-    alone=$([ "$own_train" = 1 ] && echo --train-files || echo --val-files)
+if [ "$own_train" = 1 ] && [ "$own_val" = 0 ]; then
+    alone=--train-files
+    train_shards=0  # the val shard alone
+elif [ "$own_val" = 1 ] && [ "$own_train" = 0 ]; then
+    alone=--val-files
 fi
 if [ "$own_train" = 1 ] && [ "$own_val" = 1 ]; then
     echo "run.sh: --train-files/--val-files given: no data downloaded or generated"
 elif [ -n "$alone" ]; then
-    shards=$([ "$alone" = --train-files ] && echo 0 || { [ "$gpus" -gt 0 ] && echo 8 || echo 1; })
-    echo "run.sh: $alone given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py $shards," \
-         "which also gets the val shard)"
-    if ! python data/cached_fineweb10B.py "$shards"; then
+    echo "run.sh: $alone given alone: FineWeb's shards for the other half (data/cached_fineweb10B.py" \
+         "$train_shards, which also gets the val shard)"
+    if ! python data/cached_fineweb10B.py "$train_shards"; then
         echo "run.sh: FineWeb could not be downloaded for the half that $alone leaves open, and synthetic shards" \
              "mixed with yours would measure nothing: give both --train-files and --val-files, or neither" >&2
         exit 2
     fi
 elif [ "$gpus" -gt 0 ]; then
-    # record 89 reads 339M tokens (410M of shards: BOS-aligned batches skip to the next shard); record
-    # 20's archive 730M: 8 train shards of 100M tokens serve both
-    python data/cached_fineweb10B.py 8
-elif ! python data/cached_fineweb10B.py 1; then
+    python data/cached_fineweb10B.py "$train_shards"
+elif ! python data/cached_fineweb10B.py "$train_shards"; then
     cat <<'EOF'
 ################################################################################
 #  FineWeb could not be downloaded, and this machine has no GPU:                #

@@ -167,13 +167,13 @@ def tally(runs: list, total: int) -> str:
     losses = [r.final_loss for r in runs if r.final_loss is not None]
     mean = "no final loss yet" if not losses else f"mean final val loss {statistics.mean(losses):.4f}" + (
         f" (std {statistics.stdev(losses):.4f})" if len(losses) > 1 else "")
-    last = runs[-1]
+    last, done = runs[-1], len(runs)
     if last.code in INTERRUPTED or last.interrupted:  # an interrupted run is not done: the attempt stops
-        done, end = len(runs) - 1, f"stopped: run {last.number} interrupted"
+        done, end = done - 1, f"stopped: run {last.number} interrupted"
+    elif done < total:
+        end = f"ETA {(total - done) * statistics.mean(r.seconds for r in runs) / 60:.1f} min"
     else:
-        left = total - len(runs)
-        done, end = len(runs), f"ETA {left * statistics.mean(r.seconds for r in runs) / 60:.1f} min" if left else \
-            "all done"
+        end = "all done"
     return (f"attempt: {done} of {total} runs done, {sum(r.failed for r in runs)} failed; {mean} over "
             f"{len(losses)} finished; {end}")
 

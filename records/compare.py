@@ -199,6 +199,7 @@ def plot(a, b, path: str, baseline=None, baseline_name="", target: float = TARGE
     grid = fig.add_gridspec(2, 3, height_ratios=(1, 1.4))
     axes = [fig.add_subplot(grid[0, i]) for i in range(3)]
     decisive = fig.add_subplot(grid[1, :])
+
     def kind(r):  # the language, and for ours the preset and whether the shards are synthetic
         if r.layout == PYTORCH:
             return "PyTorch"
@@ -249,10 +250,7 @@ def main(argv=None) -> int:
         a, b = parse_log(args.a), parse_log(args.b)
         if not args.allow_incomplete:
             for run in (a, b):
-                try:
-                    require_complete(run)
-                except LogError as e:
-                    raise LogError(f"{e} (--allow-incomplete shows its partial curve)") from None
+                require_complete(run, "--allow-incomplete shows its partial curve")
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

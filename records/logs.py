@@ -301,11 +301,12 @@ def synthetic_shards(run: RunLog, key: str = "train_files") -> bool:
     return name.startswith("synthetic_") or os.path.basename(folder) == "synthetic"
 
 
-def require_complete(run: RunLog) -> RunLog:
-    """Only finished runs have a final val loss and a total time to compare or test."""
+def require_complete(run: RunLog, fix: str = "") -> RunLog:
+    """Only finished runs have a final val loss and a total time to compare or test; `fix`: what the
+    caller offers instead, said at the end of the error."""
     if not run.finished:
         how = "truncated: killed, or still running" if run.status == "truncated" else run.status
         raise LogError(f"{run.path}: the run did not finish ({how}, at step {run.last_step}/"
                        f"{run.num_iterations or '?'}; last line: {run.last_line!r}); only complete runs can be "
-                       f"compared or tested")
+                       f"compared or tested" + (f" ({fix})" if fix else ""))
     return run

@@ -119,10 +119,7 @@ def load_runs(paths: list, skip_incomplete: bool, fix: str = "--skip-incomplete 
             if run.status == "stopped":
                 failed.append(path)
         else:
-            try:
-                require_complete(run)
-            except LogError as e:
-                raise LogError(f"{e} ({fix})") from None
+            require_complete(run, fix)
     if not runs:
         raise LogError(f"no finished run among {', '.join(paths)} (--skip-incomplete left them all out)")
     return runs, notes, failed
