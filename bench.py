@@ -863,7 +863,7 @@ def profile_mode(hp, args):
     prefix_V = jax.device_put(tg.prefix_table(hp.padded_vocab), NamedSharding(mesh, P()))
     first = tg.program_steps(hp)[-1] if args.stage is None else tg.stage_bounds(hp)[args.stage][0]
     shape = tg.stage_shape(first, hp)
-    lowered = tg.lower_train_step(hp, mesh, first, *state, prefix_V)
+    lowered = tg.trace_train_step(hp, mesh, first, *state, prefix_V).lower()
     t0 = time.perf_counter()
     with tg.CacheHits() as hits:
         program = lowered.compile()

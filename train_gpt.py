@@ -2500,22 +2500,23 @@ def lower_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pref
     The arguments may be arrays or their shapes (jax.ShapeDtypeStruct); the step's schedule values
     go in as shapes, so a program lowers for devices this process has none of (tests/gpu/aot.py)."""
     train_step = make_train_step(hp, mesh)
-    programs = {stage_shape(first, hp): lower_train_step(hp, mesh, first, params, buffers, opt_state, fp8, prefix_V,
-                                                         train_step) for first in program_steps(hp)}
+    programs = {stage_shape(first, hp): trace_train_step(hp, mesh, first, params, buffers, opt_state, fp8, prefix_V,
+                                                         train_step).lower() for first in program_steps(hp)}
     by_chunk = NamedSharding(mesh, P("dp"))
     val_batch = jax.ShapeDtypeStruct((RANKS, hp.val_batch_size // RANKS), jnp.int32, sharding=by_chunk)
     a = {k: shape_of(v) for k, v in schedule_values(0, hp).items() if k in VAL_KEYS}
     return programs, make_val_step(hp, mesh).lower(params, buffers, val_batch, val_batch, a)
 
 
-def lower_train_step(hp: Hyperparameters, mesh, first: int, params, buffers, opt_state, fp8, prefix_V,
+def trace_train_step(hp: Hyperparameters, mesh, first: int, params, buffers, opt_state, fp8, prefix_V,
                      train_step=None):
-    """The train program of step `first`'s stage shape, lowered (bench.py's profile wants one alone)."""
+    """The train program of step `first`'s stage shape, traced (.lower() lowers it; bench.py's profile
+    wants one alone)."""
     train_step = make_train_step(hp, mesh) if train_step is None else train_step
     by_chunk = NamedSharding(mesh, P("dp"))
     batch = jax.ShapeDtypeStruct((RANKS, stage_shape(first, hp)[0]), jnp.int32, sharding=by_chunk)
     a, sv, bootstrap = jax.tree.map(shape_of, step_inputs(first, hp))
-    return train_step.lower(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap, prefix_V)
+    return train_step.trace(params, buffers, opt_state, fp8, batch, batch, a, sv, bootstrap, prefix_V)
 
 
 def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, prefix_V):

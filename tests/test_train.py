@@ -44,23 +44,26 @@ def train_step_args(hp, w):
             batch, batch, *tg.step_inputs(0, hp), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
 
 
-def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces_and_lowers(tiny_hp):
+def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces(tiny_hp):
     """Without --stage-mtp-terms the tiny schedule keeps the record's 3, 2, 1, 1 MTP terms: a train
-    program per MTP length (the tiny runs compile only the one-term program); each traces and lowers
-    (not compiled here: ~80 s of CPU), and takes that many MTP weights."""
+    program per MTP length (the tiny runs compile only the one-term program), each traced as
+    lower_steps traces it (not lowered: the tiny runs lower theirs; not compiled: ~80 s of CPU), and
+    takes that many MTP weights."""
     hp = tg.dataclasses.replace(tiny_hp, stages=tuple(
         tg.dataclasses.replace(s, mtp_start=full.mtp_start, mtp_end=full.mtp_end)
         for s, full in zip(tiny_hp.stages, tg.PRESETS["cpu"].stages)))
-    args = train_step_args(hp, tg.init_params(hp, 0))
-    params, buffers, opt_state, fp8, *_, prefix_V = args
-    programs, _ = tg.lower_steps(hp, tg.make_mesh(), params, buffers, opt_state, fp8, prefix_V)
+    params, buffers, opt_state, fp8, *_, prefix_V = train_step_args(hp, tg.init_params(hp, 0))
+    mesh = tg.make_mesh()
+    train_step = tg.make_train_step(hp, mesh)
+    programs = {tg.stage_shape(first, hp): tg.trace_train_step(hp, mesh, first, params, buffers, opt_state, fp8,
+                                                               prefix_V, train_step) for first in tg.program_steps(hp)}
     assert list(programs) == [(128, 3), (128, 2), (128, 1)]  # chunk tokens, MTP terms
-    for (_, mtp), lowered in programs.items():
-        a = lowered.args_info[0][6]  # train_step(params, buffers, opt_state, fp8, x, y, a, ...): a's weights
+    for (_, mtp), traced in programs.items():
+        a = traced.args_info[0][6]  # train_step(params, buffers, opt_state, fp8, x, y, a, ...): a's weights
         assert a["mtp"].shape == (mtp,)
     # the XLA attention's loops count a static number of diagonals: no loop of a runtime trip count,
     # which a GPU would test on the host every iteration (20 of them per chunk in this program)
-    jaxpr = str(tg.make_train_step(hp, tg.make_mesh()).trace(*args).jaxpr)
+    jaxpr = str(programs[128, 3].jaxpr)
     assert "while[" not in jaxpr and jaxpr.count("scan[") >= 20
     assert hp.mlp == "xla" and "mlp_up" not in jaxpr and "mlp_dpre" not in jaxpr  # --mlp pallas: the test below
 
