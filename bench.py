@@ -1,6 +1,6 @@
 """Where the time goes: benchmarks of train_gpt.py's pieces on the current JAX backend.
 
-  python bench.py --suite [--profile DIR] [--compile-cache-dir DIR] [--out PATH]  # one table, one JSON line
+  python bench.py --suite [--profile DIR] [--compile-cache-dir DIR] [--skip ...] [--out PATH]  # a table, a JSON line
   python bench.py                                       # model forward+backward of one chunk per stage shape
   python bench.py --attention xla                       # the same with the pure-JAX attention (auto: pallas on GPUs)
   python bench.py --sweep fwd:128/8/2,dq:64/8/3         # the Pallas kernels' tiles, warps, stages: a row each
@@ -82,6 +82,7 @@ def small(vocab: int, chunk: int, seq: int, one_program: bool = False):
 
 
 PRESETS = {**tg.PRESETS, "tiny": small(8192, 512, 512), "smoke": small(2048, 128, 128, one_program=True)}
+SUITE_SECTIONS = ("model", "parts")  # what --skip may leave out of the suite
 PROFILE_STEPS = 3
 TOP_OPS = 15
 TOP_SOURCES = 20  # source lines of train_gpt.py with the most device time
@@ -686,16 +687,18 @@ def run_suite(hp, preset, args, cache):
     params = tg.init_params(hp, 0)  # the model and its parts run on one device
     T_max = max(s.batch_size for s in hp.stages) // tg.RANKS
     inputs, targets = sample_chunks(rng, hp, 1, T_max)
-    guarded(errors, "model", model_rows, table, hp, params, inputs, targets, args.repeats)
-    guarded(errors, "MLP and head", block_part_rows, table, hp, params, inputs[0], targets[0], rng, args.repeats)
-    last = tg.stage_bounds(hp)[-2][0]  # the last scheduled stage: the largest chunk
-    T = tg.stage_shape(last, hp)[0]
-    windows = sorted({tuple(int(w) for w in tg.windows(first, hp)) for first, _ in tg.stage_bounds(hp)})
-    for impl in sorted(tg.ATTENTION):
-        guarded(errors, f"{impl} attention", attention_kernel_rows, table, hp, impl,
-                documents(inputs[:1, :T], hp.bos_id)[0], windows, rng, args.repeats)
-    guarded(errors, "optimizer", optimizer_rows, table, hp, mesh, params, rng, args.repeats)
-    result["rows"], result["profile"] = table.rows, None
+    if "model" not in args.skip:
+        guarded(errors, "model", model_rows, table, hp, params, inputs, targets, args.repeats)
+    if "parts" not in args.skip:
+        guarded(errors, "MLP and head", block_part_rows, table, hp, params, inputs[0], targets[0], rng, args.repeats)
+        last = tg.stage_bounds(hp)[-2][0]  # the last scheduled stage: the largest chunk
+        T = tg.stage_shape(last, hp)[0]
+        windows = sorted({tuple(int(w) for w in tg.windows(first, hp)) for first, _ in tg.stage_bounds(hp)})
+        for impl in sorted(tg.ATTENTION):
+            guarded(errors, f"{impl} attention", attention_kernel_rows, table, hp, impl,
+                    documents(inputs[:1, :T], hp.bos_id)[0], windows, rng, args.repeats)
+        guarded(errors, "optimizer", optimizer_rows, table, hp, mesh, params, rng, args.repeats)
+    result["rows"], result["skipped"], result["profile"] = table.rows, args.skip, None
     if trained and args.profile:
         result["profile"] = guarded(errors, "profile", profile_rows, train_state, args.profile)
     return result, table
@@ -726,6 +729,8 @@ def report_lines(result: dict, table: Table) -> list:
             f"{t['tokens_per_s_last_stage']:,.0f} tokens/s in the last stage; estimated run "
             f"{t['estimated_run_s']:.1f}s ({t['estimated_run_note']})",
         ]
+    if result["skipped"]:
+        out.append(f"left out (--skip): {', '.join(result['skipped'])}")
     out += [f"MFU against {result['peak_tflops']:.0f} TFLOP/s per device; GFLOP = useful FLOPs (see bench.py --help)",
             "", *table.lines()]
     if result["profile"]:
@@ -905,6 +910,10 @@ def parse_args(argv=None):
                         "preset and stage flags; same attention, MLP and head) is loaded, not compiled again (default: "
                         "none for the profile; the suite starts a fresh one, so that its first compile is cold; ''"
                         " as none)")
+    parser.add_argument("--skip", metavar="SECTIONS", default="", help="with --suite: leave these sections out, "
+                        "comma-separated: model (its forward+backward rows, which `python bench.py` runs alone), "
+                        "parts (the attention, MLP, head and optimizer rows); e.g. --skip model saves a compile per "
+                        "stage shape")
     parser.add_argument("--stage", type=int, metavar="K", help="with --profile alone: the train program of stage K "
                         "(counted from 0, as train_gpt.py's stage table; default: the last program's, the largest chunk)")
     parser.add_argument("--out", metavar="PATH", help="also write the table and the JSON line to PATH")
@@ -918,6 +927,12 @@ def parse_args(argv=None):
         parser.error("--compile-cache-dir goes with --profile or --suite")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
+    args.skip = [x for x in args.skip.split(",") if x]
+    unknown = [x for x in args.skip if x not in SUITE_SECTIONS]
+    if unknown:
+        parser.error(f"--skip {','.join(unknown)}: the sections that can be left out are {', '.join(SUITE_SECTIONS)}")
+    if args.skip and not args.suite:
+        parser.error("--skip goes with --suite")
     if args.sweep:
         try:
             args.sweep = parse_sweep(args.sweep)

@@ -3,6 +3,7 @@ traces, bad input, and the whole suite on CPU at the smoke shape (a subprocess);
 on the tiny run's program."""
 import dataclasses
 import gzip
+import inspect
 import json
 import os
 import re
@@ -269,6 +270,14 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
         assert e.value.code == 2 and "--stage goes with --profile alone" in capsys.readouterr().err
     assert bench.main(["--preset", "smoke", "--profile", str(tmp_path / "t"), "--stage", "4"]) == 2
     assert "--stage 4: preset smoke has stages 0 to 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--suite", "--skip", "model,train"])
+    assert e.value.code == 2 and ("--skip train: the sections that can be left out are model, parts"
+                                  in capsys.readouterr().err)
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--skip", "model"])
+    assert e.value.code == 2 and "--skip goes with --suite" in capsys.readouterr().err
+    assert bench.parse_args(["--suite", "--skip", "parts,model"]).skip == ["parts", "model"]
 
 
 def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
@@ -292,13 +301,15 @@ def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, caps
 
 
 def test_the_model_rows_run_the_presets_mlp_and_head_kernels(monkeypatch):
-    """bench.py --mlp/--head reach the model's rows: sequence_loss (a stand-in here, cheap to compile)
-    gets hp's choices, and the rows say them."""
-    seen = []
+    """bench.py --mlp/--head reach the model's rows: sequence_loss (a stand-in here, cheap to compile;
+    called as the real one can be) gets hp's choices, and the rows say them. (The real model's rows:
+    plain `bench.py`; the suite's test leaves them out.)"""
+    seen, real = [], inspect.signature(tg.sequence_loss)
 
-    def stand_in(p, inputs, targets, a, training, scales, prefix, attention, mlp, head):
-        seen.append((attention, mlp, head))
-        return sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(p)), None, None
+    def stand_in(*args, **kwargs):
+        bound = real.bind(*args, **kwargs).arguments
+        seen.append((bound["attention_impl"], bound["mlp_impl"], bound["head_impl"]))
+        return sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(bound["p"])), None, None
 
     monkeypatch.setattr(tg, "sequence_loss", stand_in)
     hp = dataclasses.replace(bench.PRESETS["smoke"], mlp="pallas", head="pallas")
@@ -373,7 +384,7 @@ def test_the_suites_first_compile_is_cold_in_a_fresh_cache_unless_it_is_given_on
         result = {"preset": preset, "model_dim": hp.model_dim, "vocab": hp.padded_vocab, "chunks_per_device": 8,
                   "stages": [dataclasses.asdict(s) for s in hp.stages], "attention": "xla", "mlp": "xla",
                   "head": "xla", "device": "1 x cpu", "jax": jax.__version__, "peak_tflops": 989.0, "errors": [],
-                  "profile": None, "train_step": {"ms_by_stage": {"0": 5.0}, "host_loop_ms": 1.0,
+                  "profile": None, "skipped": [], "train_step": {"ms_by_stage": {"0": 5.0}, "host_loop_ms": 1.0,
                                                   "tokens_per_s_last_stage": 9.0, "estimated_run_s": 2.0,
                                                   "estimated_run_note": "n"},
                   "memory": {"peak_mib": None, "peak_source": "n/a", "compiled_peak_mib": 1.0, "compiled_source": "x"},
@@ -399,11 +410,12 @@ def test_the_suites_first_compile_is_cold_in_a_fresh_cache_unless_it_is_given_on
 def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
     """At --preset smoke with the test run's compile cache, where the shared attempt's train_gpt.py
     compiled the tiny run's programs: the suite's train and validation programs are those (it loads
-    both), and its compile section says so. (A fresh cache's report: the test above.)"""
+    both), and its compile section says so. (A fresh cache's report: the test above.) The model's rows
+    left out (--skip model: their own compile, ~40 s of CPU; their code: the stand-in test above)."""
     request.getfixturevalue("tiny_attempt")  # the heavy tests' order has it made by now (conftest)
     out = tmp_path / "results" / "suite.txt"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--suite", "--preset", "smoke",
-                           "--repeats", "1", "--compile-cache-dir", COMPILE_CACHE, "--out", str(out)],
+                           "--repeats", "1", "--compile-cache-dir", COMPILE_CACHE, "--skip", "model", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)  # (the profile: the test above)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_text() == proc.stdout  # the table and the JSON line, both
@@ -432,7 +444,7 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
     expected = ["validation step (final windows)", "MLP fp8 (one layer) xla", "MLP fp8 (one layer) pallas",
                 "head + loss fp8 (MTP, prefix) xla", "head + loss fp8 (MTP, prefix) pallas",
                 "optimizer step (NorMuon + Adam)", "train step stage 0 (synced) W=128/384",
-                "train step stage 0 (pipelined) W=128/384", "model fwd+bwd xla stage 0 T=128 W=128/384"]
+                "train step stage 0 (pipelined) W=128/384"]
     for impl in tg.ATTENTION:
         expected += [f"attention {impl} W={w}" for w in sorted({w for pair in windows for w in pair})]
         expected += [f"attention {impl} paired W={w}" for w in sorted({s for s, _ in windows})]
@@ -442,6 +454,8 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
         assert row["ms"] > 0, name
         assert name in table  # every row is in the printed table too
         assert row["gflop"] > 0 and 0 < row["mfu"] < 1, name
-    assert rows["model fwd+bwd xla stage 0 T=128 W=128/384"]["xla_loop"]  # attention loops: XLA's count is no reference
+    assert rows["train step stage 0 (synced) W=128/384"]["xla_loop"]  # attention loops: XLA's count is no reference
+    assert result["skipped"] == ["model"] and "left out (--skip): model" in table
+    assert not [name for name in rows if name.startswith("model")]
 
     assert result["profile"] is None and "profile:" not in table  # none asked for
