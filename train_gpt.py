@@ -1477,7 +1477,10 @@ def _pallas_vjp_bwd(res, dout_TxHxK):
 pallas_window_attention.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 
 
-ATTENTION = {"xla": window_attention, "pallas": pallas_window_attention}  # --attention: the same rule
+# --attention: the same rule. The Pallas one jitted: the layers' calls of one shape share one trace and one
+# Triton lowering (the record's four programs lower for an H100 in 15 s instead of 25; the same compiled
+# program: XLA inlines the call)
+ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)}
 
 
 # --- GEMMs with their epilogues as fused Pallas kernels (Triton on GPUs) ------------------------
