@@ -4,7 +4,8 @@ How the suite keeps its cost down (its budget, pytest <= 5 minutes on 2 cores, i
 Tests): compiling dominates, so every whole run of train_gpt.py uses TINY_FLAGS (tiny_args) or the
 same settings in-process (tiny_hp), and every process of a test run shares one persistent compile
 cache: an equal program compiles once. Add flags to a run only where they are its point (each new
---num-iterations, learning rate or device count is a new program). On a CPU-only run XLA's LLVM works at -O1 (FAST_CPU_COMPILE).
+--num-iterations, learning rate or device count is a new program). On a CPU-only run XLA's LLVM works
+at -O1 (FAST_CPU_COMPILE).
 Logs of real runs come from one shared attempt (tiny_attempt); bench.py's smoke preset is the same
 shape, so its profile and suite tests load the attempt's programs.
 ./run.sh test runs two pytest-xdist workers; what they share is made once (shared_once): a test that

@@ -415,7 +415,8 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
     request.getfixturevalue("tiny_attempt")  # the heavy tests' order has it made by now (conftest)
     out = tmp_path / "results" / "suite.txt"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--suite", "--preset", "smoke",
-                           "--repeats", "1", "--compile-cache-dir", COMPILE_CACHE, "--skip", "model", "--out", str(out)],
+                           "--repeats", "1", "--compile-cache-dir", COMPILE_CACHE, "--skip", "model",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)  # (the profile: the test above)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_text() == proc.stdout  # the table and the JSON line, both
