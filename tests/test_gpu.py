@@ -837,11 +837,11 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
 
     per_trip = (256 + 4 + 256) + (0 + 256 + 4 + 256)  # read: slice, index, row; write: in place, row, index, update
     rows, unknown = traffic(TRAFFIC_HLO)
-    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8],
-                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1]}
+    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8, 0],  # (nothing sent to other devices)
+                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1, 0]}
     assert unknown == []
     rows, unknown = traffic(TRAFFIC_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
-    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2] and unknown == ["loop"]  # counted once, and said
+    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0] and unknown == ["loop"]  # counted once, and said
     # custom calls count no FLOPs (cuBLAS's are not counted here at all), but train_gpt's Pallas GEMM kernels
     # do: 2·M·N·K from their first two operands, the head's x8 (64 x 32) and w8 (96 x 32)
     line = next(l for l in CUBLAS_HLO.splitlines() if "%cublas-lt-matmul.1 =" in l)
@@ -849,6 +849,57 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
               '"__gpu$xla.gpu.triton", backend_config={name = "head_logits"}')
     assert traffic(CUBLAS_HLO.replace(line, pallas))[0]["?"][1] == 2 * 64 * 96 * 32
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
+
+
+# The gradients' all-reduce among 8 devices as XLA's GPU compiler leaves it: asynchronous, a start
+# and a done; then the update reads the sum (frame 2: step:20 < ..., the all-reduce's frame 1: psum:30).
+ALL_REDUCE_HLO = """HloModule jit_step, is_scheduled=true
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+ENTRY %main (g: f32[1024,256], p: f32[1024,256]) -> f32[1024,256] {
+  %g = f32[1024,256]{1,0} parameter(0)
+  %p = f32[1024,256]{1,0} parameter(1)
+  %ars = ((f32[1024,256]{1,0}), f32[1024,256]{1,0}) all-reduce-start(f32[1024,256]{1,0} %g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum, metadata={op_name="psum" stack_frame_id=1}
+  %ard = f32[1024,256]{1,0} all-reduce-done(((f32[1024,256]{1,0}), f32[1024,256]{1,0}) %ars), metadata={op_name="psum" stack_frame_id=1}
+  ROOT %new = f32[1024,256]{1,0} subtract(f32[1024,256]{1,0} %p, f32[1024,256]{1,0} %ard), metadata={op_name="sub" stack_frame_id=2}
+}
+
+FileNames
+1 "model.py"
+
+FunctionNames
+1 "psum"
+2 "step"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=30 end_line=30 column=1 end_column=9}
+2 {file_name_id=1 function_name_id=2 line=20 end_line=20 column=1 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+"""
+
+
+def test_traffic_estimate_counts_a_ring_all_reduces_bytes_sent_apart_from_memory():
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    from aot import NVLINK_BYTES_PER_S, traffic, traffic_lines
+
+    size = 1024 * 256 * 4
+    rows, unknown = traffic(ALL_REDUCE_HLO, devices=8)
+    # the start sends 2·7/8 of the operand (the done is free); the update moves three arrays in HBM
+    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size], "step:20": [3 * size, 0, 1, 0]} and unknown == []
+    assert traffic(ALL_REDUCE_HLO, devices=2)[0]["psum:30"][3] == size  # 2·1/2
+    lines = traffic_lines(ALL_REDUCE_HLO, 5, 8)
+    ms = 2 * 7 / 8 * size / NVLINK_BYTES_PER_S * 1e3
+    assert f"0.00 GB sent to the other devices ({ms:.1f} ms at an assumed" in lines[0]
+    assert lines[1].endswith("GB sent  psum:30") and lines[2].endswith("  step:20")  # the slower first
+    assert "sent" not in traffic_lines(TRAFFIC_HLO, 5, 1)[0]
 
 
 # ---------------------------------------------------------------------------------------------

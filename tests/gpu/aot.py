@@ -13,13 +13,16 @@ so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this
             says spill registers, and
             (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
             costliest source lines: it ranks costs, it is no timing;
+  --devices the same for the programs of 2, 4 or 8 H100s of one machine (8: the record's, one chunk
+            per device): one device's memory and estimate, with the bytes it sends to the others
+            in collectives (the gradients' all-reduce);
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
             and registers at the record's last stage, so that a GPU session times only those.
 
 It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in its own environment,
 
     python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest
-    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--sweep CONFIGS]
+    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--devices N] [--sweep CONFIGS]
 """
 import argparse
 import contextlib
@@ -85,11 +88,11 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 GIB = 2**30
 
 
-def h100_mesh():
-    """A one-device mesh of a compile-only H100."""
+def h100_mesh(devices: int = 1):
+    """A mesh of `devices` compile-only H100s of one machine (the record's 8: one chunk each)."""
     from jax.experimental import topologies
     try:
-        topology = topologies.get_topology_desc(platform="cuda", target_config=H100, topology="1x1x1")
+        topology = topologies.get_topology_desc(platform="cuda", target_config=H100, topology=f"1x1x{devices}")
     except Exception as e:  # noqa: BLE001  (whatever the missing plugin raises, the fix is the same)
         print(f"tests/gpu/aot.py: this Python has no compile-only CUDA topology ({type(e).__name__}: {str(e)[:200]}).\n"
               f"It needs JAX's CUDA plugin beside jax {jax.__version__}; install both in an environment of "
@@ -156,12 +159,23 @@ def record_programs(hp, mesh, which: str):
 # without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
 # slice where a fusion reads or updates a slice), loop bodies count their known trip counts, every
 # branch of a conditional counts, and a custom call (a Pallas kernel) counts its operands, and FLOPs only
-# where it is one of train_gpt's Pallas GEMM kernels.
+# where it is one of train_gpt's Pallas GEMM kernels. A collective among the devices counts the bytes each
+# device sends over NVLink in a ring (all-reduce: 2(n-1)/n of its operand; all-gather and reduce-scatter:
+# (n-1)/n of the whole; its HBM traffic is left out), at its start where it is asynchronous.
 ELEMENT_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                  "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "u8": 1, "pred": 1, "token": 0}
 # rates seen on the H100 machines here: a device-to-device copy ~3.0 TB/s, an 8192^3 bf16 product ~800 TFLOP/s
 HBM_BYTES_PER_S, GEMM_FLOPS_PER_S = 3.0e12, 700e12
-FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id")
+# NVLink between 8 H100 SXMs: an assumed rate, never measured here (no session has had more than one GPU);
+# NCCL's all_reduce_perf reports a bus bandwidth of about this for large messages on such machines
+NVLINK_BYTES_PER_S = 450e9
+FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+            "all-reduce-done", "all-gather-done", "collective-permute-done")  # (an asynchronous collective's end)
+# a ring collective: the part of its payload (the operand's bytes; all-gather: the operand times n) each
+# of n devices sends
+RING_SHARE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: n - 1,
+              "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+              "collective-permute": lambda n: 1}
 
 
 def type_bytes(type_: str) -> int:
@@ -169,9 +183,9 @@ def type_bytes(type_: str) -> int:
                for t, shape in re.findall(r"(\w+)\[([\d,]*)\]", type_))
 
 
-def traffic(text: str) -> tuple:
-    """({source: [bytes, GEMM flops, kernel launches]}, loops without a known trip count) of one run
-    of the module's entry computation."""
+def traffic(text: str, devices: int = 1) -> tuple:
+    """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices]}, loops without a
+    known trip count) of one run of the module's entry computation on one of `devices` devices."""
     module, where = parse_hlo(text), source_of(text)
     rows, unknown = {}, []
     typ = lambda comp, name: module.get(comp, name).type if module.get(comp, name) else ""  # noqa: E731
@@ -220,7 +234,12 @@ def traffic(text: str) -> tuple:
                 for branch in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
                     walk(branch, times)
                 continue
-            if ins.op == "fusion" and called:
+            collective = ins.op.removesuffix("-start")
+            sent = 0
+            if collective in RING_SHARE:
+                moved, flops = 0, 0
+                sent = RING_SHARE[collective](devices) * sum(type_bytes(typ(comp, o)) for o in ins.operands)
+            elif ins.op == "fusion" and called:
                 moved, flops = fusion_bytes(comp, ins, called[1]), gemm_flops(called[1])
             elif ins.op == "dynamic-slice":
                 moved, flops = 2 * type_bytes(ins.type), 0
@@ -231,10 +250,11 @@ def traffic(text: str) -> tuple:
                 if pallas_gemm(ins):  # A (M x K) and B (N x K) first: 2·M·N·K
                     (M, K), (N, _) = dims(typ(comp, ins.operands[0])), dims(typ(comp, ins.operands[1]))
                     flops = 2 * M * N * K
-            row = rows.setdefault(where(ins.attrs), [0, 0, 0])
+            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0])
             row[0] += moved * times
             row[1] += flops * times
             row[2] += times
+            row[3] += sent * times
 
     entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
     walk(entry, 1)
@@ -247,16 +267,20 @@ def kernel_sources(text: str) -> dict:
     return {ins.name.replace(".", "_"): where(ins.attrs) for comp in module.computations.values() for ins in comp.values()}
 
 
-def traffic_lines(text: str, top: int) -> list:
-    rows, unknown = traffic(text)
-    seconds = lambda r: max(r[0] / HBM_BYTES_PER_S, r[1] / GEMM_FLOPS_PER_S)  # noqa: E731
-    moved, flops = sum(r[0] for r in rows.values()), sum(r[1] for r in rows.values())
+def traffic_lines(text: str, top: int, devices: int = 1) -> list:
+    rows, unknown = traffic(text, devices)
+    seconds = lambda r: max(r[0] / HBM_BYTES_PER_S, r[1] / GEMM_FLOPS_PER_S, r[3] / NVLINK_BYTES_PER_S)  # noqa: E731
+    moved, flops, sent = (sum(r[i] for r in rows.values()) for i in (0, 1, 3))
     lines = [f"    estimate: {moved / 1e9:.0f} GB moved ({moved / HBM_BYTES_PER_S * 1e3:.0f} ms at "
              f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s), {flops / 1e12:.0f} TFLOP in GEMMs ({flops / GEMM_FLOPS_PER_S * 1e3:.0f} "
-             f"ms at {GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s), sum of per-kernel floors "
-             f"{sum(map(seconds, rows.values())) * 1e3:.0f} ms" + (f"; {len(unknown)} loops counted once" if unknown else "")]
+             f"ms at {GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s), "
+             + (f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed "
+                f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s of NVLink), " if sent else "")
+             + f"sum of per-kernel floors {sum(map(seconds, rows.values())) * 1e3:.0f} ms"
+             + (f"; {len(unknown)} loops counted once" if unknown else "")]
     for source, r in sorted(rows.items(), key=lambda kv: -seconds(kv[1]))[:top]:
-        lines.append(f"    {seconds(r) * 1e3:7.1f} ms {r[0] / 1e9:8.1f} GB {r[1] / 1e12:6.1f} TFLOP {r[2]:6d} kernels  {source}")
+        lines.append(f"    {seconds(r) * 1e3:7.1f} ms {r[0] / 1e9:8.1f} GB {r[1] / 1e12:6.1f} TFLOP {r[2]:6d} kernels  "
+                     + (f"{r[3] / 1e9:.2f} GB sent  " if r[3] else "") + source)
     return lines
 
 
@@ -287,7 +311,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
                          + f", {len(gemms)} MLP GEMMs" + ("" if len(gemms) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
                          + f"; {head}")
-            lines += traffic_lines(text, top) if top else []
+            lines += traffic_lines(text, top, mesh.size) if top else []
         else:
             lines[0] += f"  {head}"
         kernels = kernel_sources(text)
@@ -357,6 +381,9 @@ def main(argv=None) -> int:
                              "program; none: only --sweep")
     parser.add_argument("--sweep", metavar="CONFIGS", help="KERNEL:TILE/WARPS/STAGES items as bench.py --sweep takes")
     parser.add_argument("--hlo-dir", metavar="DIR", help="write each train program's compiled HLO text there")
+    parser.add_argument("--devices", type=int, default=1, choices=(1, 2, 4, 8),
+                        help="compile for this many H100s of one machine, as train_gpt.py runs on them (default 1; 8: "
+                             "the record's machine, one chunk per device; memory and the estimate are one device's)")
     parser.add_argument("--traffic", type=int, default=15, metavar="N",
                         help="per train program: a static estimate of a step's memory traffic and GEMM FLOPs, and its "
                              "N costliest source lines (default 15; 0: none)")
@@ -371,8 +398,8 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
-    mesh = h100_mesh()
-    print(f"compile-only NVIDIA H100 (sm_90), jax {jax.__version__}, record preset; compile times on "
+    mesh = h100_mesh(args.devices)
+    print(f"compile-only NVIDIA H100 (sm_90) x {args.devices}, jax {jax.__version__}, record preset; compile times on "
           f"{os.cpu_count()} CPU cores, without autotuning", flush=True)
     rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(
         mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head)]
