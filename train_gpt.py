@@ -1745,13 +1745,13 @@ def normuon_lrs(name: str, shape: tuple, hp) -> np.ndarray:
     return np.array([hp.muon_lr * row["lr_mul"] * shape_mul * cycle[i % len(cycle)] for i in range(n)])
 
 
-def normuon_update(p, g, s: dict, lr_N, wd, momentum, beta2: float):
+def normuon_update(p, g, s: dict, lr_N, wd, momentum, beta2: float, shard=lambda x: x):
     """One bank's NorMuon step (every matrix on its own): (new bf16 bank, new state). lr_N: per-matrix lr."""
     shape = p.shape
     u, buf = nesterov(g.reshape(-1, *shape[-2:]).astype(F32), s["momentum_buffer"], momentum)
     v, second = normuon_variance_reduction(polar_express(u), s["second_momentum_buffer"], beta2)
     p, mantissa = cautious_update_mantissa(p.reshape(u.shape), s["mantissa"], v, wd, lr_N[:, None, None])
-    return p.reshape(shape), dict(momentum_buffer=buf, second_momentum_buffer=second, mantissa=mantissa)
+    return shard(p).reshape(shape), dict(momentum_buffer=buf, second_momentum_buffer=second, mantissa=mantissa)
 
 
 def adam_update(p, g, s: dict, row: dict, lr, hp):
@@ -1774,7 +1774,7 @@ def accumulate(kept, g):
     return (kept.astype(F32) + g.astype(F32)).astype(kept.dtype)
 
 
-def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp):
+def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp, shard=lambda x, axis=0: x):
     """Adam on every parameter of `params`, with the embedding tied to lm_head while sv['tied']:
     lm_head's gradient gets embed's (transposed), embed becomes lm_head^T and keeps its state; at
     sv['split'] embed's state becomes lm_head's (moments transposed, step count)."""
@@ -1783,7 +1783,8 @@ def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp):
     if tie:
         grads[LM_HEAD] = jnp.where(sv["tied"], accumulate(grads[LM_HEAD], grads[EMBED].T), grads[LM_HEAD])
     out = {n: adam_update(p, grads[n], state[n], PARAM_TABLE[n], sv["lr"], hp) for n, p in params.items()}
-    new_params, new_state = {n: o[0] for n, o in out.items()}, {n: o[1] for n, o in out.items()}
+    new_params = {n: shard(o[0], 1 if n == LM_HEAD else 0) for n, o in out.items()}
+    new_state = {n: o[1] for n, o in out.items()}
     if tie:
         new_params[EMBED] = jnp.where(sv["tied"], new_params[LM_HEAD].T, new_params[EMBED])
         lm = new_state[LM_HEAD]
@@ -1820,10 +1821,11 @@ def step_values_at(step: int, hp) -> dict:
                 do_adam=np.bool_(step % 2 == 1), tied=np.bool_(step <= split), split=np.bool_(step == split))
 
 
-def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict):
+def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict, shard=lambda x, axis=0: x):
     """(new params, new state) after one step: NorMuon on the banks every step; Adam on odd steps
     (sv['do_adam']), on even ones the Adam gradients are kept and added to the next step's. Entries
-    of params not in PARAM_TABLE pass through. Jit it with hp static."""
+    of params not in PARAM_TABLE pass through. Jit it with hp static. shard(x, axis): where the
+    devices compute a new bf16 bank or table (make_train_step's, by update_spec), before it is gathered."""
     sv = step_values
     new_params, new_state = dict(params), dict(state, normuon={})
     for name, s in state["normuon"].items():
@@ -1831,11 +1833,12 @@ def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict
         lr_N = jnp.asarray(normuon_lrs(name, params[name].shape, hp), F32) * sv["lr"]
         wd = np.float32(hp.muon_wd * row["wd_mul"] * hp.muon_lr) * sv["lr"]
         new_params[name], new_state["normuon"][name] = normuon_update(params[name], grads[name], s, lr_N, wd,
-                                                                      sv["momentum"], hp.muon_beta2)
+                                                                      sv["momentum"], hp.muon_beta2, shard)
     kept = {n: accumulate(state["kept_grads"][n], grads[n]) for n in state["adam"]}
     adam_params = {n: params[n] for n in state["adam"]}
     adam_params, new_state["adam"], new_state["kept_grads"] = jax.lax.cond(
-        sv["do_adam"], partial(adam_step, hp=hp), lambda p, g, s, sv: (p, s, g), adam_params, kept, state["adam"], sv)
+        sv["do_adam"], partial(adam_step, hp=hp, shard=shard), lambda p, g, s, sv: (p, s, g), adam_params, kept,
+        state["adam"], sv)
     return new_params | adam_params, new_state
 
 
@@ -2099,7 +2102,8 @@ def prefetch(iterator, put, depth: int = 2):
 # reference's: 8 rank chunks of T tokens; each device runs its share of them one after another
 # (micro-batches, each its own sequence), with one FP8 activation-scale state per chunk slot, so 1, 2,
 # 4 or 8 devices compute the same step. Gradients of sum(per-token loss) are averaged over the 8
-# chunks (the reference's all-reduce AVG with grad scale 1), then the optimizer steps.
+# chunks (the reference's all-reduce AVG with grad scale 1), then the optimizer steps; with several
+# devices each updates its share of every bank and table (update_spec), as the reference's ranks do.
 
 
 def make_mesh(devices=None):
@@ -2151,6 +2155,25 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
     return jax.lax.psum(g, "dp"), jax.lax.psum(loss, "dp"), act
 
 
+def update_spec(devices: int, shape: tuple, axis: int = 0) -> P:
+    """How the devices share a bank's or a table's optimizer state and the computing of its update:
+    with several devices, split evenly along `axis` (the bank's matrices, the table's rows; lm_head's
+    columns, as embed's rows transposed), so that each updates its share and the new bf16 parameters are
+    gathered (the reference's sharded comms: XLA makes the gradients' sum a reduce-scatter);
+    vectors and what does not split evenly stay whole on each device."""
+    split = devices > 1 and len(shape) >= 2 and shape[axis] % devices == 0
+    return P(*[None] * axis, "dp") if split else P()
+
+
+def optimizer_state_specs(opt_state, devices: int):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: update_spec(devices, np.shape(x), 1 if LM_HEAD in jax.tree_util.keystr(path) else 0), opt_state)
+
+
+def optimizer_state_shardings(opt_state, mesh):
+    return jax.tree.map(partial(NamedSharding, mesh), optimizer_state_specs(opt_state, mesh.size))
+
+
 def make_train_step(hp: Hyperparameters, mesh):
     """train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V)
     -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape. The
@@ -2168,14 +2191,17 @@ def make_train_step(hp: Hyperparameters, mesh):
                                                     prefix_V)
         grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
         next_w = next_down_weight_scales(params["mlp_bank"])
-        params, opt_state = optimizer_step(params, grads, opt_state, hp, sv)
+        params, opt_state = optimizer_step(params, grads, opt_state, hp, sv, lambda x, axis=0: (
+            jax.lax.with_sharding_constraint(x, NamedSharding(mesh, update_spec(mesh.size, x.shape, axis)))))
         return params, opt_state, {"next_w": next_w, "act": act}, loss / inputs_8xT.size
 
     fp8_shardings = {"next_w": replicated, "act": by_chunk}
+    params_abstract = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in param_shapes(hp).items()}
+    state = optimizer_state_shardings(jax.eval_shape(partial(init_optimizer_state, hp=hp), params_abstract), mesh)
     return jax.jit(train_step, donate_argnums=(0, 2, 3),
-                   in_shardings=(replicated, replicated, replicated, fp8_shardings, by_chunk, by_chunk, replicated,
+                   in_shardings=(replicated, replicated, state, fp8_shardings, by_chunk, by_chunk, replicated,
                                  replicated, replicated, replicated),
-                   out_shardings=(replicated, replicated, fp8_shardings, replicated))
+                   out_shardings=(replicated, state, fp8_shardings, replicated))
 
 
 def step_inputs(step: int, hp: Hyperparameters) -> tuple:
@@ -2455,7 +2481,8 @@ def initial_state(hp: Hyperparameters, mesh, init_path: str = None):
     buffers = jax.device_put({"bigram_sign_table": weights["bigram_sign_table"]}, replicated)
     fp8 = fp8_state(weights)
     fp8 = {"next_w": jax.device_put(fp8["next_w"], replicated), "act": jax.device_put(fp8["act"], by_chunk)}
-    opt_state = jax.jit(partial(init_optimizer_state, hp=hp), out_shardings=replicated)(params)
+    init = partial(init_optimizer_state, hp=hp)
+    opt_state = jax.jit(init, out_shardings=optimizer_state_shardings(jax.eval_shape(init, params), mesh))(params)
     return params, buffers, opt_state, fp8
 
 

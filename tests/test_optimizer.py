@@ -330,3 +330,27 @@ def test_tied_embedding_and_split():
         steps = bf16_steps(f64(untied[n]), f64(p))  # another program: an ulp of fp32 may flip a rounding
         assert steps.max() <= 1 and np.mean(steps == 0) > 0.99 and int(new_state["adam"][n]["step"]) == 3, n
     assert not np.array_equal(f64(untied["embed.weight"]), f64(untied["lm_head.weight"]).T)
+
+
+def test_several_devices_split_the_banks_and_tables_state_and_keep_the_rest_whole():
+    """The record's optimizer state on 8 devices (update_spec): each bank's matrices and each table's rows
+    split evenly, lm_head's columns (so that embed's transposed rows, tied to them, split alike), the
+    second moments with their matrices; scalars, vectors and the small matrices (2 of them) whole; on one
+    device everything whole. (Whether 8 devices then train as one does: test_distributed's pair.)"""
+    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in tg.param_shapes(HP).items()}
+    state = jax.eval_shape(lambda p: tg.init_optimizer_state(p, HP), params)
+    specs = tg.optimizer_state_specs(state, 8)
+    P = jax.sharding.PartitionSpec
+    split = {"qk_bank", "vo_bank", "mlp_bank", "value_embeds", "bigram_embed.weight", "embed.weight", "lm_head.weight"}
+    for name, leaves in [*specs["normuon"].items(), *specs["adam"].items()]:
+        for key, spec in leaves.items():
+            shape = state["normuon" if name in state["normuon"] else "adam"][name][key].shape
+            want = P(None, "dp") if name == "lm_head.weight" else P("dp")
+            assert spec == (want if name in split and key != "step" else P()), (name, key, shape, spec)
+            if spec != P():
+                assert shape[spec.index("dp")] % 8 == 0
+    assert {n: s for n, s in specs["kept_grads"].items() if s != P()} == {
+        n: P(None, "dp") if n == "lm_head.weight" else P("dp") for n in split if n in state["adam"]}
+    assert specs["normuon"]["mlp_bank"]["momentum_buffer"] == P("dp")  # the 24 matrices' view, 3 per device
+    assert all(s == P() for s in jax.tree.leaves(tg.optimizer_state_specs(state, 1), is_leaf=lambda x: isinstance(x, P)))
+    assert tg.update_spec(4, (2, 64, 768)) == P() and tg.update_spec(2, (2, 64, 768)) == P("dp")

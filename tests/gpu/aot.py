@@ -143,7 +143,8 @@ def record_programs(hp, mesh, which: str):
     params = {k: jax.ShapeDtypeStruct(s, d, sharding=rep) for k, (s, d) in tg.param_shapes(hp).items()}
     weights = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in tg.buffer_shapes(hp).items()}
     buffers = {"bigram_sign_table": abstract(weights["bigram_sign_table"], rep)}
-    opt_state = jax.tree.map(lambda x: abstract(x, rep), jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp), params))
+    opt_state = jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp), params)
+    opt_state = jax.tree.map(abstract, opt_state, tg.optimizer_state_shardings(opt_state, mesh))
     fp8 = jax.eval_shape(tg.fp8_state, weights)  # its layout as train() gets it
     fp8 = {"next_w": abstract(fp8["next_w"], rep), "act": abstract(fp8["act"], by_chunk)}
     prefix_V = abstract(np.zeros(hp.padded_vocab, np.int32), rep)
