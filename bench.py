@@ -321,7 +321,9 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
     compiled, compile_s = compile_timed(step, params, grads, state, sv)
     sec = seconds_per_call(compiled, (params, grads, state, sv), repeats)
     table.add("optimizer step (NorMuon + Adam)", sec, flops=polar_express_flops(hp), compiled=compiled,
-              compile_s=compile_s, devices=mesh.size, note="FLOPs: Polar Express only (the rest is elementwise)")
+              compile_s=compile_s, devices=mesh.size,
+              note="FLOPs: Polar Express only (the rest is elementwise); whole on each device (the train step "
+                   "splits it among several)")
 
 
 def gemm_kernels_named(hp) -> str:

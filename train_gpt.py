@@ -1629,20 +1629,23 @@ def pallas_head_logits(x_f8_TxD, w_f8_VxD, tuning=PALLAS_HEAD):
 # One row per parameter (the reference's TrainingManager.param_table). Adam's lr is hp.adam_lr x lr_mul,
 # NorMuon's hp.muon_lr x lr_mul x sqrt(max(1, rows/cols)) of its matrices x matrix_lr_muls (cycled
 # over the bank's matrices); both x the schedule's lr multiplier. wd_mul scales hp.adam_wd / hp.muon_wd.
+# split_axis: with several devices, the axis along which they share the optimizer's state and update
+# (the reference's "sharded" comms: a bank's matrices, a table's rows, lm_head's columns as embed's
+# rows transposed; update_spec); without one, each device updates the whole parameter.
 PARAM_TABLE = {
-    "qk_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0),
-    "vo_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0),
-    "mlp_bank":            dict(optim="normuon", lr_mul=1.0, wd_mul=1.0,
+    "qk_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0, split_axis=0),
+    "vo_bank":             dict(optim="normuon", lr_mul=1.0, wd_mul=1.0, split_axis=0),
+    "mlp_bank":            dict(optim="normuon", lr_mul=1.0, wd_mul=1.0, split_axis=0,
                                 matrix_lr_muls=(1.0, 2.0)),  # viewed as 24 matrices: c_fc, c_proj, c_fc, ...
     "scalars":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=5.0, wd_mul=0.0),
     "smear_gate.weight":   dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.01, wd_mul=0.0),
     "ve_gate_bank":        dict(optim="adam", betas=(0.9, 0.99), lr_mul=1.0, wd_mul=1.0),
-    "lm_head.weight":      dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
-    "bigram_embed.weight": dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
+    "lm_head.weight":      dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0, split_axis=1),
+    "bigram_embed.weight": dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0, split_axis=0),
     "post_lambdas":        dict(optim="adam", betas=(0.9, 0.95), lr_mul=1.0, wd_mul=0.0),
     "resid_lambdas":       dict(optim="adam", betas=(0.9, 0.95), lr_mul=5.0, wd_mul=0.0),
-    "value_embeds":        dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
-    "embed.weight":        dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0),
+    "value_embeds":        dict(optim="adam", betas=(0.75, 0.95), lr_mul=75.0, wd_mul=5.0, split_axis=0),
+    "embed.weight":        dict(optim="adam", betas=(0.5, 0.95), lr_mul=1.0, wd_mul=150.0, split_axis=0),
     "mudd_w1":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
     "mudd_w2":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=1.0),
     "mudd_b2":             dict(optim="adam", betas=(0.9, 0.99), lr_mul=0.25, wd_mul=0.0),
@@ -1746,7 +1749,8 @@ def normuon_lrs(name: str, shape: tuple, hp) -> np.ndarray:
 
 
 def normuon_update(p, g, s: dict, lr_N, wd, momentum, beta2: float, shard=lambda x: x):
-    """One bank's NorMuon step (every matrix on its own): (new bf16 bank, new state). lr_N: per-matrix lr."""
+    """One bank's NorMuon step (every matrix on its own): (new bf16 bank, new state). lr_N: per-matrix lr;
+    shard(x): where the devices compute the new matrices, before they are gathered."""
     shape = p.shape
     u, buf = nesterov(g.reshape(-1, *shape[-2:]).astype(F32), s["momentum_buffer"], momentum)
     v, second = normuon_variance_reduction(polar_express(u), s["second_momentum_buffer"], beta2)
@@ -1774,7 +1778,7 @@ def accumulate(kept, g):
     return (kept.astype(F32) + g.astype(F32)).astype(kept.dtype)
 
 
-def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp, shard=lambda x, axis=0: x):
+def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp, shard=lambda x, axis: x):
     """Adam on every parameter of `params`, with the embedding tied to lm_head while sv['tied']:
     lm_head's gradient gets embed's (transposed), embed becomes lm_head^T and keeps its state; at
     sv['split'] embed's state becomes lm_head's (moments transposed, step count)."""
@@ -1783,7 +1787,7 @@ def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp, shard=lambda
     if tie:
         grads[LM_HEAD] = jnp.where(sv["tied"], accumulate(grads[LM_HEAD], grads[EMBED].T), grads[LM_HEAD])
     out = {n: adam_update(p, grads[n], state[n], PARAM_TABLE[n], sv["lr"], hp) for n, p in params.items()}
-    new_params = {n: shard(o[0], 1 if n == LM_HEAD else 0) for n, o in out.items()}
+    new_params = {n: shard(o[0], PARAM_TABLE[n].get("split_axis")) for n, o in out.items()}
     new_state = {n: o[1] for n, o in out.items()}
     if tie:
         new_params[EMBED] = jnp.where(sv["tied"], new_params[LM_HEAD].T, new_params[EMBED])
@@ -1821,11 +1825,11 @@ def step_values_at(step: int, hp) -> dict:
                 do_adam=np.bool_(step % 2 == 1), tied=np.bool_(step <= split), split=np.bool_(step == split))
 
 
-def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict, shard=lambda x, axis=0: x):
+def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict, shard=lambda x, axis: x):
     """(new params, new state) after one step: NorMuon on the banks every step; Adam on odd steps
     (sv['do_adam']), on even ones the Adam gradients are kept and added to the next step's. Entries
-    of params not in PARAM_TABLE pass through. Jit it with hp static. shard(x, axis): where the
-    devices compute a new bf16 bank or table (make_train_step's, by update_spec), before it is gathered."""
+    of params not in PARAM_TABLE pass through. Jit it with hp static. shard(x, split_axis): where the
+    devices compute a new bf16 parameter (make_train_step's: by update_spec), before it is gathered."""
     sv = step_values
     new_params, new_state = dict(params), dict(state, normuon={})
     for name, s in state["normuon"].items():
@@ -1833,7 +1837,8 @@ def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict
         lr_N = jnp.asarray(normuon_lrs(name, params[name].shape, hp), F32) * sv["lr"]
         wd = np.float32(hp.muon_wd * row["wd_mul"] * hp.muon_lr) * sv["lr"]
         new_params[name], new_state["normuon"][name] = normuon_update(params[name], grads[name], s, lr_N, wd,
-                                                                      sv["momentum"], hp.muon_beta2, shard)
+                                                                      sv["momentum"], hp.muon_beta2,
+                                                                      partial(shard, axis=row.get("split_axis")))
     kept = {n: accumulate(state["kept_grads"][n], grads[n]) for n in state["adam"]}
     adam_params = {n: params[n] for n in state["adam"]}
     adam_params, new_state["adam"], new_state["kept_grads"] = jax.lax.cond(
@@ -2155,28 +2160,33 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
     return jax.lax.psum(g, "dp"), jax.lax.psum(loss, "dp"), act
 
 
-def update_spec(devices: int, shape: tuple, axis: int = 0) -> P:
-    """How the devices share a bank's or a table's optimizer state and the computing of its update:
-    with several devices, split evenly along `axis` (the bank's matrices, the table's rows; lm_head's
-    columns, as embed's rows transposed), so that each updates its share and the new bf16 parameters are
-    gathered (the reference's sharded comms: XLA makes the gradients' sum a reduce-scatter);
-    vectors and what does not split evenly stay whole on each device."""
-    split = devices > 1 and len(shape) >= 2 and shape[axis] % devices == 0
+def update_spec(devices: int, shape: tuple, axis) -> P:
+    """How the devices share an optimizer state array of a parameter with split_axis `axis` (PARAM_TABLE),
+    and the computing of its update: split evenly along that axis, so that each device updates its
+    share and the new bf16 parameter is gathered (XLA makes the gradients' sum reduce-scatters, except
+    where the parameter's gradient does not split as its update: mlp_bank's (12, 2, ...) as 24
+    matrices); whole on every device when there is one device, no axis, or no even split."""
+    split = axis is not None and devices > 1 and len(shape) > axis and shape[axis] % devices == 0
     return P(*[None] * axis, "dp") if split else P()
 
 
 def optimizer_state_specs(opt_state, devices: int):
+    """update_spec of every array of init_optimizer_state's {kind: {parameter: ...}} tree."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: update_spec(devices, np.shape(x), 1 if LM_HEAD in jax.tree_util.keystr(path) else 0), opt_state)
+        lambda path, x: update_spec(devices, np.shape(x), PARAM_TABLE[path[1].key].get("split_axis")), opt_state)
 
 
-def optimizer_state_shardings(opt_state, mesh):
-    return jax.tree.map(partial(NamedSharding, mesh), optimizer_state_specs(opt_state, mesh.size))
+def optimizer_state_shardings(hp: Hyperparameters, mesh):
+    """Where init_optimizer_state's arrays of hp's parameters live on the mesh: the train step's layout."""
+    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in param_shapes(hp).items()}
+    specs = optimizer_state_specs(jax.eval_shape(partial(init_optimizer_state, hp=hp), params), mesh.size)
+    return jax.tree.map(partial(NamedSharding, mesh), specs)
 
 
 def make_train_step(hp: Hyperparameters, mesh):
     """train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V)
-    -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape. The
+    -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape; opt_state
+    laid out as optimizer_state_shardings (initial_state's), the rest replicated or by chunk. The
     XLA attention's loops run max_diagonals(hp, shape): the widest windows of hp's stages of that shape
     (`a` from another stage table with wider windows gives NaN, not a cut window)."""
     replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
@@ -2191,13 +2201,12 @@ def make_train_step(hp: Hyperparameters, mesh):
                                                     prefix_V)
         grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
         next_w = next_down_weight_scales(params["mlp_bank"])
-        params, opt_state = optimizer_step(params, grads, opt_state, hp, sv, lambda x, axis=0: (
+        params, opt_state = optimizer_step(params, grads, opt_state, hp, sv, lambda x, axis: x if axis is None else (
             jax.lax.with_sharding_constraint(x, NamedSharding(mesh, update_spec(mesh.size, x.shape, axis)))))
         return params, opt_state, {"next_w": next_w, "act": act}, loss / inputs_8xT.size
 
     fp8_shardings = {"next_w": replicated, "act": by_chunk}
-    params_abstract = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in param_shapes(hp).items()}
-    state = optimizer_state_shardings(jax.eval_shape(partial(init_optimizer_state, hp=hp), params_abstract), mesh)
+    state = optimizer_state_shardings(hp, mesh)
     return jax.jit(train_step, donate_argnums=(0, 2, 3),
                    in_shardings=(replicated, replicated, state, fp8_shardings, by_chunk, by_chunk, replicated,
                                  replicated, replicated, replicated),
@@ -2481,8 +2490,7 @@ def initial_state(hp: Hyperparameters, mesh, init_path: str = None):
     buffers = jax.device_put({"bigram_sign_table": weights["bigram_sign_table"]}, replicated)
     fp8 = fp8_state(weights)
     fp8 = {"next_w": jax.device_put(fp8["next_w"], replicated), "act": jax.device_put(fp8["act"], by_chunk)}
-    init = partial(init_optimizer_state, hp=hp)
-    opt_state = jax.jit(init, out_shardings=optimizer_state_shardings(jax.eval_shape(init, params), mesh))(params)
+    opt_state = jax.jit(partial(init_optimizer_state, hp=hp), out_shardings=optimizer_state_shardings(hp, mesh))(params)
     return params, buffers, opt_state, fp8
 
 

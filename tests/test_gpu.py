@@ -851,8 +851,9 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
 
 
-# The gradients' all-reduce among 8 devices as XLA's GPU compiler leaves it: asynchronous, a start
-# and a done; then the update reads the sum (frame 2: step:20 < ..., the all-reduce's frame 1: psum:30).
+# Collectives among 8 devices as XLA's GPU compiler leaves them, asynchronous (a start and a done): the
+# gradients' all-reduce (psum:30), a reduce-scatter of them to 8 shares (scatter:40), an all-gather of a
+# bf16 share in groups of 2 (gather:50); then the update reads the sum (step:20).
 ALL_REDUCE_HLO = """HloModule jit_step, is_scheduled=true
 
 %sum (x: f32[], y: f32[]) -> f32[] {
@@ -861,12 +862,18 @@ ALL_REDUCE_HLO = """HloModule jit_step, is_scheduled=true
   ROOT %s = f32[] add(f32[] %x, f32[] %y)
 }
 
-ENTRY %main (g: f32[1024,256], p: f32[1024,256]) -> f32[1024,256] {
+ENTRY %main (g: f32[1024,256], p: f32[1024,256], h: bf16[128,256]) -> (f32[1024,256], f32[128,256], bf16[256,256]) {
   %g = f32[1024,256]{1,0} parameter(0)
   %p = f32[1024,256]{1,0} parameter(1)
+  %h = bf16[128,256]{1,0} parameter(2)
   %ars = ((f32[1024,256]{1,0}), f32[1024,256]{1,0}) all-reduce-start(f32[1024,256]{1,0} %g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum, metadata={op_name="psum" stack_frame_id=1}
   %ard = f32[1024,256]{1,0} all-reduce-done(((f32[1024,256]{1,0}), f32[1024,256]{1,0}) %ars), metadata={op_name="psum" stack_frame_id=1}
-  ROOT %new = f32[1024,256]{1,0} subtract(f32[1024,256]{1,0} %p, f32[1024,256]{1,0} %ard), metadata={op_name="sub" stack_frame_id=2}
+  %rss = ((f32[1024,256]{1,0}), f32[128,256]{1,0}) reduce-scatter-start(f32[1024,256]{1,0} %g), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%sum, metadata={op_name="rs" stack_frame_id=3}
+  %rsd = f32[128,256]{1,0} reduce-scatter-done(((f32[1024,256]{1,0}), f32[128,256]{1,0}) %rss), metadata={op_name="rs" stack_frame_id=3}
+  %ags = ((bf16[128,256]{1,0}), bf16[256,256]{1,0}) all-gather-start(bf16[128,256]{1,0} %h), channel_id=3, replica_groups=[4,2]<=[8], dimensions={0}, metadata={op_name="ag" stack_frame_id=4}
+  %agd = bf16[256,256]{1,0} all-gather-done(((bf16[128,256]{1,0}), bf16[256,256]{1,0}) %ags), metadata={op_name="ag" stack_frame_id=4}
+  %new = f32[1024,256]{1,0} subtract(f32[1024,256]{1,0} %p, f32[1024,256]{1,0} %ard), metadata={op_name="sub" stack_frame_id=2}
+  ROOT %out = (f32[1024,256]{1,0}, f32[128,256]{1,0}, bf16[256,256]{1,0}) tuple(%new, %rsd, %agd)
 }
 
 FileNames
@@ -875,30 +882,41 @@ FileNames
 FunctionNames
 1 "psum"
 2 "step"
+3 "scatter"
+4 "gather"
 
 FileLocations
 1 {file_name_id=1 function_name_id=1 line=30 end_line=30 column=1 end_column=9}
 2 {file_name_id=1 function_name_id=2 line=20 end_line=20 column=1 end_column=9}
+3 {file_name_id=1 function_name_id=3 line=40 end_line=40 column=1 end_column=9}
+4 {file_name_id=1 function_name_id=4 line=50 end_line=50 column=1 end_column=9}
 
 StackFrames
 1 {file_location_id=1 parent_frame_id=1}
 2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=1}
+4 {file_location_id=4 parent_frame_id=1}
 """
 
 
-def test_traffic_estimate_counts_a_ring_all_reduces_bytes_sent_apart_from_memory():
+def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     from aot import NVLINK_BYTES_PER_S, traffic, traffic_lines
 
-    size = 1024 * 256 * 4
+    size, share = 1024 * 256 * 4, 128 * 256 * 2
     rows, unknown = traffic(ALL_REDUCE_HLO, devices=8)
-    # the start sends 2·7/8 of the operand (the done is free); the update moves three arrays in HBM
-    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size], "step:20": [3 * size, 0, 1, 0]} and unknown == []
-    assert traffic(ALL_REDUCE_HLO, devices=2)[0]["psum:30"][3] == size  # 2·1/2
+    # each start sends its part (all-reduce 2·7/8 of the operand, reduce-scatter to 8 shares 7/8 of it,
+    # all-gather in pairs its one share); the dones are free; the update moves three arrays in HBM
+    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size], "scatter:40": [0, 0, 1, 7 / 8 * size],
+                    "gather:50": [0, 0, 1, share], "step:20": [3 * size, 0, 1, 0]} and unknown == []
+    # groups the HLO names only by the mesh: all the devices
+    meshed = ALL_REDUCE_HLO.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=mesh['dp'=2] {'dp'}")
+    assert traffic(meshed, devices=2)[0]["psum:30"][3] == size  # 2·1/2
     lines = traffic_lines(ALL_REDUCE_HLO, 5, 8)
-    ms = 2 * 7 / 8 * size / NVLINK_BYTES_PER_S * 1e3
-    assert f"0.00 GB sent to the other devices ({ms:.1f} ms at an assumed" in lines[0]
-    assert lines[1].endswith("GB sent  psum:30") and lines[2].endswith("  step:20")  # the slower first
+    sent = (2 * 7 / 8 + 7 / 8) * size + share
+    assert f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed" in lines[0]
+    assert [l.split()[-1] for l in lines[1:]] == ["psum:30", "scatter:40", "step:20", "gather:50"]  # the slowest first
+    assert lines[1].endswith(f"{2 * 7 / 8 * size / 1e9:.2f} GB sent  psum:30") and "sent" not in lines[3]
     assert "sent" not in traffic_lines(TRAFFIC_HLO, 5, 1)[0]
 
 

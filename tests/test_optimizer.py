@@ -333,24 +333,28 @@ def test_tied_embedding_and_split():
 
 
 def test_several_devices_split_the_banks_and_tables_state_and_keep_the_rest_whole():
-    """The record's optimizer state on 8 devices (update_spec): each bank's matrices and each table's rows
-    split evenly, lm_head's columns (so that embed's transposed rows, tied to them, split alike), the
-    second moments with their matrices; scalars, vectors and the small matrices (2 of them) whole; on one
-    device everything whole. (Whether 8 devices then train as one does: test_distributed's pair.)"""
+    """The record's optimizer state on 8 and 2 devices (update_spec by PARAM_TABLE's split_axis): each
+    bank's matrices and each table's rows split evenly, lm_head's columns (so that embed's transposed
+    rows, tied to them, split alike), the second moments with their matrices; the reference's
+    replicated parameters whole (mudd_w1's 2 matrices too, on 2 devices), and everything on one device.
+    (Whether several devices then train as one does: test_distributed's pair.)"""
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in tg.param_shapes(HP).items()}
     state = jax.eval_shape(lambda p: tg.init_optimizer_state(p, HP), params)
-    specs = tg.optimizer_state_specs(state, 8)
     P = jax.sharding.PartitionSpec
     split = {"qk_bank", "vo_bank", "mlp_bank", "value_embeds", "bigram_embed.weight", "embed.weight", "lm_head.weight"}
-    for name, leaves in [*specs["normuon"].items(), *specs["adam"].items()]:
-        for key, spec in leaves.items():
-            shape = state["normuon" if name in state["normuon"] else "adam"][name][key].shape
-            want = P(None, "dp") if name == "lm_head.weight" else P("dp")
-            assert spec == (want if name in split and key != "step" else P()), (name, key, shape, spec)
-            if spec != P():
-                assert shape[spec.index("dp")] % 8 == 0
-    assert {n: s for n, s in specs["kept_grads"].items() if s != P()} == {
-        n: P(None, "dp") if n == "lm_head.weight" else P("dp") for n in split if n in state["adam"]}
-    assert specs["normuon"]["mlp_bank"]["momentum_buffer"] == P("dp")  # the 24 matrices' view, 3 per device
-    assert all(s == P() for s in jax.tree.leaves(tg.optimizer_state_specs(state, 1), is_leaf=lambda x: isinstance(x, P)))
-    assert tg.update_spec(4, (2, 64, 768)) == P() and tg.update_spec(2, (2, 64, 768)) == P("dp")
+    assert split == {n for n, row in tg.PARAM_TABLE.items() if "split_axis" in row}
+    for devices in (8, 2):
+        specs = tg.optimizer_state_specs(state, devices)
+        for kind in ("normuon", "adam"):
+            for name, leaves in specs[kind].items():
+                for key, spec in leaves.items():
+                    want = P(None, "dp") if name == "lm_head.weight" else P("dp")
+                    assert spec == (want if name in split and key != "step" else P()), (devices, name, key, spec)
+                    if spec != P():
+                        assert state[kind][name][key].shape[spec.index("dp")] % devices == 0
+        assert {n: s for n, s in specs["kept_grads"].items() if s != P()} == {
+            n: P(None, "dp") if n == "lm_head.weight" else P("dp") for n in split if n in state["adam"]}
+        assert specs["normuon"]["mlp_bank"]["momentum_buffer"] == P("dp")  # the 24 matrices' view
+    one = tg.optimizer_state_specs(state, 1)
+    assert all(s == P() for s in jax.tree.leaves(one, is_leaf=lambda x: isinstance(x, P)))
+    assert tg.update_spec(8, (12, 2, 3072, 768), 0) == P()  # no even split: whole

@@ -15,7 +15,7 @@ so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this
             costliest source lines: it ranks costs, it is no timing;
   --devices the same for the programs of 2, 4 or 8 H100s of one machine (8: the record's, one chunk
             per device): one device's memory and estimate, with the bytes it sends to the others
-            in collectives (the gradients' all-reduce);
+            in collectives (the gradients' reduce-scatters, the new parameters' all-gathers);
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
             and registers at the record's last stage, so that a GPU session times only those.
 
@@ -143,8 +143,8 @@ def record_programs(hp, mesh, which: str):
     params = {k: jax.ShapeDtypeStruct(s, d, sharding=rep) for k, (s, d) in tg.param_shapes(hp).items()}
     weights = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in tg.buffer_shapes(hp).items()}
     buffers = {"bigram_sign_table": abstract(weights["bigram_sign_table"], rep)}
-    opt_state = jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp), params)
-    opt_state = jax.tree.map(abstract, opt_state, tg.optimizer_state_shardings(opt_state, mesh))
+    opt_state = jax.tree.map(abstract, jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp), params),
+                             tg.optimizer_state_shardings(hp, mesh))
     fp8 = jax.eval_shape(tg.fp8_state, weights)  # its layout as train() gets it
     fp8 = {"next_w": abstract(fp8["next_w"], rep), "act": abstract(fp8["act"], by_chunk)}
     prefix_V = abstract(np.zeros(hp.padded_vocab, np.int32), rep)
@@ -170,13 +170,24 @@ HBM_BYTES_PER_S, GEMM_FLOPS_PER_S = 3.0e12, 700e12
 # NVLink between 8 H100 SXMs: an assumed rate, never measured here (no session has had more than one GPU);
 # NCCL's all_reduce_perf reports a bus bandwidth of about this for large messages on such machines
 NVLINK_BYTES_PER_S = 450e9
-FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
-            "all-reduce-done", "all-gather-done", "collective-permute-done")  # (an asynchronous collective's end)
-# a ring collective: the part of its payload (the operand's bytes; all-gather: the operand times n) each
-# of n devices sends
-RING_SHARE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: n - 1,
+FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id")
+# what each of a group's n devices sends, as a part of the collective's operand (all-gather's: the local
+# share): a ring's for the all-reduce (NVLink SHARP may send less), reduce-scatter and all-gather
+SENT_SHARE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: n - 1,
               "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
               "collective-permute": lambda n: 1}
+
+
+def group_size(ins, operand_bytes: int, result_bytes: int, devices: int) -> int:
+    """The devices of one of a collective's groups: from its shapes where they tell (all-gather,
+    reduce-scatter), else from its replica_groups ([G,N]<=[...] or {{a,b,...},...}), else `devices`."""
+    op = ins.op.removesuffix("-start")
+    if op == "all-gather" and operand_bytes:
+        return round(result_bytes / operand_bytes)
+    if op == "reduce-scatter" and result_bytes:
+        return round(operand_bytes / result_bytes)
+    groups = re.search(r"replica_groups=(?:\[\d+,(\d+)\]<=|\{\{([\d,]+)\})", ins.attrs)
+    return (int(groups[1]) if groups[1] else len(groups[2].split(","))) if groups else devices
 
 
 def type_bytes(type_: str) -> int:
@@ -237,9 +248,13 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 continue
             collective = ins.op.removesuffix("-start")
             sent = 0
-            if collective in RING_SHARE:
+            if ins.op.removesuffix("-done") in SENT_SHARE:  # an asynchronous collective's end: counted at its start
+                continue
+            if collective in SENT_SHARE:
                 moved, flops = 0, 0
-                sent = RING_SHARE[collective](devices) * sum(type_bytes(typ(comp, o)) for o in ins.operands)
+                operands = sum(type_bytes(typ(comp, o)) for o in ins.operands)
+                result = type_bytes(ins.type) - (operands if ins.op.endswith("-start") else 0)  # a start's: (in, out)
+                sent = SENT_SHARE[collective](group_size(ins, operands, result, devices)) * operands
             elif ins.op == "fusion" and called:
                 moved, flops = fusion_bytes(comp, ins, called[1]), gemm_flops(called[1])
             elif ins.op == "dynamic-slice":
