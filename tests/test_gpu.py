@@ -853,7 +853,8 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
 
 # Collectives among 8 devices as XLA's GPU compiler leaves them, asynchronous (a start and a done): the
 # gradients' all-reduce (psum:30), a reduce-scatter of them to 8 shares (scatter:40), an all-gather of a
-# bf16 share in groups of 2 (gather:50); then the update reads the sum (step:20).
+# bf16 share in groups of 2 (gather:50: only its shapes say so); then the update reads the sum (step:20).
+FRAMES = [("psum", 30), ("step", 20), ("scatter", 40), ("gather", 50)]
 ALL_REDUCE_HLO = """HloModule jit_step, is_scheduled=true
 
 %sum (x: f32[], y: f32[]) -> f32[] {
@@ -870,7 +871,7 @@ ENTRY %main (g: f32[1024,256], p: f32[1024,256], h: bf16[128,256]) -> (f32[1024,
   %ard = f32[1024,256]{1,0} all-reduce-done(((f32[1024,256]{1,0}), f32[1024,256]{1,0}) %ars), metadata={op_name="psum" stack_frame_id=1}
   %rss = ((f32[1024,256]{1,0}), f32[128,256]{1,0}) reduce-scatter-start(f32[1024,256]{1,0} %g), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%sum, metadata={op_name="rs" stack_frame_id=3}
   %rsd = f32[128,256]{1,0} reduce-scatter-done(((f32[1024,256]{1,0}), f32[128,256]{1,0}) %rss), metadata={op_name="rs" stack_frame_id=3}
-  %ags = ((bf16[128,256]{1,0}), bf16[256,256]{1,0}) all-gather-start(bf16[128,256]{1,0} %h), channel_id=3, replica_groups=[4,2]<=[8], dimensions={0}, metadata={op_name="ag" stack_frame_id=4}
+  %ags = ((bf16[128,256]{1,0}), bf16[256,256]{1,0}) all-gather-start(bf16[128,256]{1,0} %h), channel_id=3, replica_groups=mesh['dp'=8] {'dp':(4)2}, dimensions={0}, metadata={op_name="ag" stack_frame_id=4}
   %agd = bf16[256,256]{1,0} all-gather-done(((bf16[128,256]{1,0}), bf16[256,256]{1,0}) %ags), metadata={op_name="ag" stack_frame_id=4}
   %new = f32[1024,256]{1,0} subtract(f32[1024,256]{1,0} %p, f32[1024,256]{1,0} %ard), metadata={op_name="sub" stack_frame_id=2}
   ROOT %out = (f32[1024,256]{1,0}, f32[128,256]{1,0}, bf16[256,256]{1,0}) tuple(%new, %rsd, %agd)
@@ -878,25 +879,11 @@ ENTRY %main (g: f32[1024,256], p: f32[1024,256], h: bf16[128,256]) -> (f32[1024,
 
 FileNames
 1 "model.py"
-
-FunctionNames
-1 "psum"
-2 "step"
-3 "scatter"
-4 "gather"
-
-FileLocations
-1 {file_name_id=1 function_name_id=1 line=30 end_line=30 column=1 end_column=9}
-2 {file_name_id=1 function_name_id=2 line=20 end_line=20 column=1 end_column=9}
-3 {file_name_id=1 function_name_id=3 line=40 end_line=40 column=1 end_column=9}
-4 {file_name_id=1 function_name_id=4 line=50 end_line=50 column=1 end_column=9}
-
-StackFrames
-1 {file_location_id=1 parent_frame_id=1}
-2 {file_location_id=2 parent_frame_id=1}
-3 {file_location_id=3 parent_frame_id=1}
-4 {file_location_id=4 parent_frame_id=1}
-"""
+""" + "\n".join([  # frame k: function k at its line, called from frame 1
+    "\nFunctionNames", *(f'{k} "{f}"' for k, (f, _) in enumerate(FRAMES, 1)),
+    "\nFileLocations", *(f"{k} {{file_name_id=1 function_name_id={k} line={line} end_line={line} column=1 end_column=9}}"
+                       for k, (_, line) in enumerate(FRAMES, 1)),
+    "\nStackFrames", *(f"{k} {{file_location_id={k} parent_frame_id=1}}" for k in range(1, len(FRAMES) + 1))]) + "\n"
 
 
 def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
