@@ -855,7 +855,7 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
 # gradients' all-reduce (psum:30), a reduce-scatter of them to 8 shares (scatter:40), an all-gather of a
 # bf16 share in groups of 2 (gather:50: only its shapes say so); then the update reads the sum (step:20).
 FRAMES = [("psum", 30), ("step", 20), ("scatter", 40), ("gather", 50)]
-ALL_REDUCE_HLO = """HloModule jit_step, is_scheduled=true
+COLLECTIVES_HLO = """HloModule jit_step, is_scheduled=true
 
 %sum (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -891,15 +891,15 @@ def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     from aot import NVLINK_BYTES_PER_S, traffic, traffic_lines
 
     size, share = 1024 * 256 * 4, 128 * 256 * 2
-    rows, unknown = traffic(ALL_REDUCE_HLO, devices=8)
+    rows, unknown = traffic(COLLECTIVES_HLO, devices=8)
     # each start sends its part (all-reduce 2·7/8 of the operand, reduce-scatter to 8 shares 7/8 of it,
     # all-gather in pairs its one share); the dones are free; the update moves three arrays in HBM
     assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size], "scatter:40": [0, 0, 1, 7 / 8 * size],
                     "gather:50": [0, 0, 1, share], "step:20": [3 * size, 0, 1, 0]} and unknown == []
     # groups the HLO names only by the mesh: all the devices
-    meshed = ALL_REDUCE_HLO.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=mesh['dp'=2] {'dp'}")
+    meshed = COLLECTIVES_HLO.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=mesh['dp'=2] {'dp'}")
     assert traffic(meshed, devices=2)[0]["psum:30"][3] == size  # 2·1/2
-    lines = traffic_lines(ALL_REDUCE_HLO, 5, 8)
+    lines = traffic_lines(COLLECTIVES_HLO, 5, 8)
     sent = (2 * 7 / 8 + 7 / 8) * size + share
     assert f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed" in lines[0]
     assert [l.split()[-1] for l in lines[1:]] == ["psum:30", "scatter:40", "step:20", "gather:50"]  # the slowest first

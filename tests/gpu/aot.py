@@ -246,10 +246,9 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 for branch in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
                     walk(branch, times)
                 continue
-            collective = ins.op.removesuffix("-start")
-            sent = 0
             if ins.op.removesuffix("-done") in SENT_SHARE:  # an asynchronous collective's end: counted at its start
                 continue
+            collective, sent = ins.op.removesuffix("-start"), 0
             if collective in SENT_SHARE:
                 moved, flops = 0, 0
                 operands = sum(type_bytes(typ(comp, o)) for o in ins.operands)
