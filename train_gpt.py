@@ -1778,30 +1778,40 @@ def accumulate(kept, g):
     return (kept.astype(F32) + g.astype(F32)).astype(kept.dtype)
 
 
-def adam_step(params: dict, grads: dict, state: dict, sv: dict, hp, shard=lambda x, axis: x):
-    """Adam on every parameter of `params`, with the embedding tied to lm_head while sv['tied']:
-    lm_head's gradient gets embed's (transposed), embed becomes lm_head^T and keeps its state; at
-    sv['split'] embed's state becomes lm_head's (moments transposed, step count)."""
+def adam_step(params: dict, kept: dict, state: dict, sv: dict, hp, shard=lambda x, axis: x,
+              exchange=lambda g, axis: g):
+    """Adam on every parameter of `params` from its kept gradients, exchanged (exchange(g, split_axis):
+    the devices' kept sums to their mean over the 8 ranks; kept as it is when it holds that mean
+    already), with the embedding tied to lm_head while sv['tied']: lm_head's gradient gets embed's
+    (transposed; added before the exchange, and embed's not exchanged, as the reference skips it),
+    embed becomes lm_head^T and keeps its state; at sv['split'] embed's state becomes lm_head's
+    (moments transposed, step count)."""
     tie = LM_HEAD in params and EMBED in params
-    grads = dict(grads)
+    kept = dict(kept)
     if tie:
-        grads[LM_HEAD] = jnp.where(sv["tied"], accumulate(grads[LM_HEAD], grads[EMBED].T), grads[LM_HEAD])
+        kept[LM_HEAD] = jnp.where(sv["tied"], accumulate(kept[LM_HEAD], kept[EMBED].swapaxes(-1, -2)), kept[LM_HEAD])
+    grads = {n: exchange(g, PARAM_TABLE[n].get("split_axis")) for n, g in kept.items() if not (tie and n == EMBED)}
+    if tie:
+        grads[EMBED] = jax.lax.cond(sv["tied"], lambda g: jnp.zeros(params[EMBED].shape, g.dtype),
+                                    partial(exchange, axis=PARAM_TABLE[EMBED]["split_axis"]), kept[EMBED])
     out = {n: adam_update(p, grads[n], state[n], PARAM_TABLE[n], sv["lr"], hp) for n, p in params.items()}
-    new_params = {n: shard(o[0], PARAM_TABLE[n].get("split_axis")) for n, o in out.items()}
+    new_params = {n: shard(o[0], PARAM_TABLE[n].get("split_axis")) for n, o in out.items() if not (tie and n == EMBED)}
     new_state = {n: o[1] for n, o in out.items()}
-    if tie:
-        new_params[EMBED] = jnp.where(sv["tied"], new_params[LM_HEAD].T, new_params[EMBED])
+    if tie:  # while tied, embed is the gathered new lm_head transposed: not gathered itself
+        new_params[EMBED] = jax.lax.cond(sv["tied"], lambda: new_params[LM_HEAD].T,
+                                         lambda: shard(out[EMBED][0], PARAM_TABLE[EMBED]["split_axis"]))
         lm = new_state[LM_HEAD]
         new_state[EMBED] = {k: jnp.where(sv["split"], lm[k].T if lm[k].ndim == 2 else lm[k],
                                          jnp.where(sv["tied"], state[EMBED][k], new))
                             for k, new in new_state[EMBED].items()}
-    return new_params, new_state, jax.tree.map(jnp.zeros_like, grads)
+    return new_params, new_state, jax.tree.map(jnp.zeros_like, kept)
 
 
-def init_optimizer_state(params: dict, hp) -> dict:
+def init_optimizer_state(params: dict, hp, devices: int = 0) -> dict:
     """Fresh state for the parameters of `params` (other entries, e.g. buffers, are ignored): NorMuon
     buffers per bank in its (matrices, rows, cols) view, Adam moments and step count, and the Adam
-    gradients kept over even steps."""
+    gradients kept over even steps: with `devices`, each device's own sums, unexchanged (devices, *shape),
+    as the train step keeps them; without, one array holding their mean (optimizer_step's default)."""
     normuon, adam, kept = {}, {}, {}
     for name, p in params.items():
         if name not in PARAM_TABLE:
@@ -1814,7 +1824,7 @@ def init_optimizer_state(params: dict, hp) -> dict:
         else:
             adam[name] = dict(exp_avg=jnp.zeros(p.shape, F32), exp_avg_sq=jnp.zeros(p.shape, F32),
                               step=jnp.zeros((), jnp.int32))
-            kept[name] = jnp.zeros(p.shape, p.dtype)
+            kept[name] = jnp.zeros((devices, *p.shape) if devices else p.shape, p.dtype)
     return dict(normuon=normuon, adam=adam, kept_grads=kept)
 
 
@@ -1825,11 +1835,15 @@ def step_values_at(step: int, hp) -> dict:
                 do_adam=np.bool_(step % 2 == 1), tied=np.bool_(step <= split), split=np.bool_(step == split))
 
 
-def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict, shard=lambda x, axis: x):
+def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict, shard=lambda x, axis: x,
+                   exchange=lambda g, axis: g):
     """(new params, new state) after one step: NorMuon on the banks every step; Adam on odd steps
     (sv['do_adam']), on even ones the Adam gradients are kept and added to the next step's. Entries
-    of params not in PARAM_TABLE pass through. Jit it with hp static. shard(x, split_axis): where the
-    devices compute a new bf16 parameter (make_train_step's: by update_spec), before it is gathered."""
+    of params not in PARAM_TABLE pass through. Jit it with hp static. grads: each bank's mean gradient
+    over the 8 ranks (any view of it), each Adam parameter's in its kept gradient's layout; by
+    default that mean too, in the train step each device's own sum, exchanged (exchange(g,
+    split_axis): to the mean) only when Adam steps, as the reference's ranks do. shard(x,
+    split_axis): where the devices compute a new bf16 parameter (update_spec), before it is gathered."""
     sv = step_values
     new_params, new_state = dict(params), dict(state, normuon={})
     for name, s in state["normuon"].items():
@@ -1842,8 +1856,8 @@ def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict
     kept = {n: accumulate(state["kept_grads"][n], grads[n]) for n in state["adam"]}
     adam_params = {n: params[n] for n in state["adam"]}
     adam_params, new_state["adam"], new_state["kept_grads"] = jax.lax.cond(
-        sv["do_adam"], partial(adam_step, hp=hp, shard=shard), lambda p, g, s, sv: (p, s, g), adam_params, kept,
-        state["adam"], sv)
+        sv["do_adam"], partial(adam_step, hp=hp, shard=shard, exchange=exchange), lambda p, g, s, sv: (p, s, g),
+        adam_params, kept, state["adam"], sv)
     return new_params | adam_params, new_state
 
 
@@ -2106,9 +2120,11 @@ def prefetch(iterator, put, depth: int = 2):
 # 5 Training step: one jitted program per stage shape over a 1-D data mesh. A step is the 8-GPU
 # reference's: 8 rank chunks of T tokens; each device runs its share of them one after another
 # (micro-batches, each its own sequence), with one FP8 activation-scale state per chunk slot, so 1, 2,
-# 4 or 8 devices compute the same step. Gradients of sum(per-token loss) are averaged over the 8
-# chunks (the reference's all-reduce AVG with grad scale 1), then the optimizer steps; with several
-# devices each updates its share of every bank and table (update_spec), as the reference's ranks do.
+# 4 or 8 devices compute the same step (up to the rounding of bf16 sums). Gradients of sum(per-token
+# loss) are averaged over the 8 chunks (the reference's reduce AVG with grad scale 1) as the
+# reference's ranks exchange them: in the parameter's dtype, the banks' every step, the Adam
+# parameters' only on odd steps, when Adam steps (on even ones each device keeps its own); with
+# several devices each updates its share of every bank and table (update_spec) and gathers it.
 
 
 def make_mesh(devices=None):
@@ -2139,8 +2155,10 @@ def next_act_scales(act_12, amax_11):
 
 def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla",
                 max_diagonals=None, mlp="xla", head="xla"):
-    """This device's chunks one at a time: summed gradients (fp32) and losses, new activation scales.
-    max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
+    """This device's chunks one at a time: its gradient sums in each parameter's dtype (a rank's
+    gradient, bf16 for bf16 parameters; summed in fp32 over several chunks), under a leading axis of
+    one (the devices' sums side by side, for exchange_gradient), the summed losses of all devices, new
+    activation scales. max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
     a = with_max_diagonals(a, max_diagonals)
 
     def chunk(total, xs):
@@ -2157,41 +2175,62 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
 
     zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params), jnp.zeros((), F32))
     (g, loss), act = jax.lax.scan(chunk, zeros, (inputs_MxT, targets_MxT, act_Mx12))
-    return jax.lax.psum(g, "dp"), jax.lax.psum(loss, "dp"), act
+    return jax.tree.map(lambda v, p: v.astype(p.dtype)[None], g, params), jax.lax.psum(loss, "dp"), act
+
+
+def exchange_gradient(mesh, chunks: int, g_DxS, axis):
+    """The reference's reduce of one parameter's gradient (AVG): the devices' sums g_DxS (device_step's)
+    to their mean over the step's chunks, in g's dtype (bf16 on the wire for bf16 parameters, as the
+    reference's), split along `axis` as update_spec lays out the parameter's update (a reduce-scatter),
+    else whole on every device (an all-reduce)."""
+    spec = update_spec(mesh.size, g_DxS.shape[1:], axis)
+
+    def device(g_1xS):
+        if spec == P():
+            return jax.lax.psum(g_1xS[0], "dp") / chunks
+        return jax.lax.psum_scatter(g_1xS[0], "dp", scatter_dimension=axis, tiled=True) / chunks
+
+    return jax.shard_map(device, mesh=mesh, in_specs=P("dp"), out_specs=spec, check_vma=False)(g_DxS)
 
 
 def update_spec(devices: int, shape: tuple, axis) -> P:
     """How the devices share an optimizer state array of a parameter with split_axis `axis` (PARAM_TABLE),
     and the computing of its update: split evenly along that axis, so that each device updates its
-    share and the new bf16 parameter is gathered (XLA makes the gradients' sum reduce-scatters, except
-    where the parameter's gradient does not split as its update: mlp_bank's (12, 2, ...) as 24
-    matrices); whole on every device when there is one device, no axis, or no even split."""
+    share and the new bf16 parameter is gathered (its gradient reduce-scattered to the same split:
+    exchange_gradient); whole on every device when there is one device, no axis, or no even split."""
     split = axis is not None and devices > 1 and len(shape) > axis and shape[axis] % devices == 0
     return P(*[None] * axis, "dp") if split else P()
 
 
 def optimizer_state_specs(opt_state, devices: int):
-    """update_spec of every array of init_optimizer_state's {kind: {parameter: ...}} tree."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: update_spec(devices, np.shape(x), PARAM_TABLE[path[1].key].get("split_axis")), opt_state)
+    """update_spec of every array of init_optimizer_state's {kind: {parameter: ...}} tree; the kept
+    gradients (devices, *shape) by device: each device keeps its own."""
+    def spec(path, x):
+        if path[0].key == "kept_grads":
+            return P("dp") if devices > 1 else P()
+        return update_spec(devices, np.shape(x), PARAM_TABLE[path[1].key].get("split_axis"))
+
+    return jax.tree_util.tree_map_with_path(spec, opt_state)
 
 
 def optimizer_state_shardings(hp: Hyperparameters, mesh):
     """Where init_optimizer_state's arrays of hp's parameters live on the mesh: the train step's layout."""
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in param_shapes(hp).items()}
-    specs = optimizer_state_specs(jax.eval_shape(partial(init_optimizer_state, hp=hp), params), mesh.size)
+    specs = optimizer_state_specs(jax.eval_shape(partial(init_optimizer_state, hp=hp, devices=mesh.size), params),
+                                  mesh.size)
     return jax.tree.map(partial(NamedSharding, mesh), specs)
 
 
 def make_train_step(hp: Hyperparameters, mesh):
     """train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V)
     -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape; opt_state
-    laid out as optimizer_state_shardings (initial_state's), the rest replicated or by chunk. The
+    laid out as optimizer_state_shardings (initial_state's: init_optimizer_state with devices=mesh.size),
+    the rest replicated or by chunk. The
     XLA attention's loops run max_diagonals(hp, shape): the widest windows of hp's stages of that shape
     (`a` from another stage table with wider windows gives NaN, not a cut window)."""
     replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     specs = dict(mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp"), P("dp"), P(), P(), P()),
-                 out_specs=(P(), P(), P("dp")), check_vma=False)
+                 out_specs=(P("dp"), P(), P("dp")), check_vma=False)
 
     def train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V):
         w_scales = down_weight_scales(params["mlp_bank"], bootstrap, fp8["next_w"])
@@ -2199,10 +2238,15 @@ def make_train_step(hp: Hyperparameters, mesh):
         step = partial(device_step, attention=hp.attention, max_diagonals=bounds, mlp=hp.mlp, head=hp.head)
         g, loss, act = jax.shard_map(step, **specs)(params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales,
                                                     prefix_V)
-        grads = jax.tree.map(lambda g, p: (g / inputs_8xT.shape[0]).astype(p.dtype), g, params)  # AVG over ranks
+        exchange = partial(exchange_gradient, mesh, inputs_8xT.shape[0])
+        grads = {n: exchange(v.reshape(v.shape[0], -1, *v.shape[-2:]), 0) if n in opt_state["normuon"] else v
+                 for n, v in g.items()}  # the banks' every step, in NorMuon's view; Adam's when it steps
         next_w = next_down_weight_scales(params["mlp_bank"])
-        params, opt_state = optimizer_step(params, grads, opt_state, hp, sv, lambda x, axis: x if axis is None else (
-            jax.lax.with_sharding_constraint(x, NamedSharding(mesh, update_spec(mesh.size, x.shape, axis)))))
+        def split_then_gather(x, axis):  # gathered where computed: inside Adam's branch, so even steps send none
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, update_spec(mesh.size, x.shape, axis)))
+            return jax.lax.with_sharding_constraint(x, replicated)
+
+        params, opt_state = optimizer_step(params, grads, opt_state, hp, sv, split_then_gather, exchange)
         return params, opt_state, {"next_w": next_w, "act": act}, loss / inputs_8xT.size
 
     fp8_shardings = {"next_w": replicated, "act": by_chunk}
@@ -2227,7 +2271,7 @@ def train_steps(weights: dict, token_arrays: list, hp: Hyperparameters, step: in
     params, fp8 = jax.tree.map(jnp.copy, (trainable(weights, hp), fp8_state(weights)))  # the step donates them
     fp8["act"] = fp8["act"][:1]  # eight equal ranks average to one: the step runs one chunk
     buffers = {"bigram_sign_table": weights["bigram_sign_table"]}
-    opt_state = init_optimizer_state(params, hp)
+    opt_state = init_optimizer_state(params, hp, devices=1)
     prefix_V = jnp.asarray(prefix_table(hp.padded_vocab))
     losses = []
     for s, tokens in enumerate(token_arrays, start=step):
@@ -2490,7 +2534,8 @@ def initial_state(hp: Hyperparameters, mesh, init_path: str = None):
     buffers = jax.device_put({"bigram_sign_table": weights["bigram_sign_table"]}, replicated)
     fp8 = fp8_state(weights)
     fp8 = {"next_w": jax.device_put(fp8["next_w"], replicated), "act": jax.device_put(fp8["act"], by_chunk)}
-    opt_state = jax.jit(partial(init_optimizer_state, hp=hp), out_shardings=optimizer_state_shardings(hp, mesh))(params)
+    opt_state = jax.jit(partial(init_optimizer_state, hp=hp, devices=mesh.size),
+                        out_shardings=optimizer_state_shardings(hp, mesh))(params)
     return params, buffers, opt_state, fp8
 
 

@@ -837,11 +837,11 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
 
     per_trip = (256 + 4 + 256) + (0 + 256 + 4 + 256)  # read: slice, index, row; write: in place, row, index, update
     rows, unknown = traffic(TRAFFIC_HLO)
-    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8, 0],  # (nothing sent to other devices)
-                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1, 0]}
+    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8, 0, 0],  # (nothing sent to other devices)
+                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1, 0, 0]}
     assert unknown == []
     rows, unknown = traffic(TRAFFIC_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
-    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0] and unknown == ["loop"]  # counted once, and said
+    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0, 0] and unknown == ["loop"]  # counted once, and said
     # custom calls count no FLOPs (cuBLAS's are not counted here at all), but train_gpt's Pallas GEMM kernels
     # do: 2·M·N·K from their first two operands, the head's x8 (64 x 32) and w8 (96 x 32)
     line = next(l for l in CUBLAS_HLO.splitlines() if "%cublas-lt-matmul.1 =" in l)
@@ -851,10 +851,12 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
 
 
-# Collectives among 8 devices as XLA's GPU compiler leaves them, asynchronous (a start and a done): the
-# gradients' all-reduce (psum:30), a reduce-scatter of them to 8 shares (scatter:40), an all-gather of a
-# bf16 share in groups of 2 (gather:50: only its shapes say so); then the update reads the sum (step:20).
-FRAMES = [("psum", 30), ("step", 20), ("scatter", 40), ("gather", 50)]
+# Collectives among 8 devices as XLA's GPU compiler leaves them, asynchronous (a start and a done) or
+# not: the gradients' all-reduce (psum:30), a reduce-scatter of them to 8 shares (scatter:40), and in
+# one branch of a conditional an all-gather of a bf16 share in groups of 2 (gather:50, synchronous: only
+# its shapes say the group; the other branch stacks the share twice, pad:60); then the update reads the
+# sum (step:20).
+FRAMES = [("psum", 30), ("step", 20), ("scatter", 40), ("gather", 50), ("pad", 60)]
 COLLECTIVES_HLO = """HloModule jit_step, is_scheduled=true
 
 %sum (x: f32[], y: f32[]) -> f32[] {
@@ -863,16 +865,26 @@ COLLECTIVES_HLO = """HloModule jit_step, is_scheduled=true
   ROOT %s = f32[] add(f32[] %x, f32[] %y)
 }
 
-ENTRY %main (g: f32[1024,256], p: f32[1024,256], h: bf16[128,256]) -> (f32[1024,256], f32[128,256], bf16[256,256]) {
+%gathered (a: bf16[128,256]) -> bf16[256,256] {
+  %a = bf16[128,256]{1,0} parameter(0)
+  ROOT %ag = bf16[256,256]{1,0} all-gather(bf16[128,256]{1,0} %a), channel_id=3, replica_groups=mesh['dp'=8] {'dp':(4)2}, dimensions={0}, metadata={op_name="ag" stack_frame_id=4}
+}
+
+%stacked (b: bf16[128,256]) -> bf16[256,256] {
+  %b = bf16[128,256]{1,0} parameter(0)
+  ROOT %twice = bf16[256,256]{1,0} concatenate(bf16[128,256]{1,0} %b, bf16[128,256]{1,0} %b), dimensions={0}, metadata={op_name="pad" stack_frame_id=5}
+}
+
+ENTRY %main (g: f32[1024,256], p: f32[1024,256], h: bf16[128,256], odd: pred[]) -> (f32[1024,256], f32[128,256], bf16[256,256]) {
   %g = f32[1024,256]{1,0} parameter(0)
   %p = f32[1024,256]{1,0} parameter(1)
   %h = bf16[128,256]{1,0} parameter(2)
+  %odd = pred[] parameter(3)
   %ars = ((f32[1024,256]{1,0}), f32[1024,256]{1,0}) all-reduce-start(f32[1024,256]{1,0} %g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum, metadata={op_name="psum" stack_frame_id=1}
   %ard = f32[1024,256]{1,0} all-reduce-done(((f32[1024,256]{1,0}), f32[1024,256]{1,0}) %ars), metadata={op_name="psum" stack_frame_id=1}
   %rss = ((f32[1024,256]{1,0}), f32[128,256]{1,0}) reduce-scatter-start(f32[1024,256]{1,0} %g), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%sum, metadata={op_name="rs" stack_frame_id=3}
   %rsd = f32[128,256]{1,0} reduce-scatter-done(((f32[1024,256]{1,0}), f32[128,256]{1,0}) %rss), metadata={op_name="rs" stack_frame_id=3}
-  %ags = ((bf16[128,256]{1,0}), bf16[256,256]{1,0}) all-gather-start(bf16[128,256]{1,0} %h), channel_id=3, replica_groups=mesh['dp'=8] {'dp':(4)2}, dimensions={0}, metadata={op_name="ag" stack_frame_id=4}
-  %agd = bf16[256,256]{1,0} all-gather-done(((bf16[128,256]{1,0}), bf16[256,256]{1,0}) %ags), metadata={op_name="ag" stack_frame_id=4}
+  %agd = bf16[256,256]{1,0} conditional(pred[] %odd, bf16[128,256]{1,0} %h, bf16[128,256]{1,0} %h), true_computation=%gathered, false_computation=%stacked
   %new = f32[1024,256]{1,0} subtract(f32[1024,256]{1,0} %p, f32[1024,256]{1,0} %ard), metadata={op_name="sub" stack_frame_id=2}
   ROOT %out = (f32[1024,256]{1,0}, f32[128,256]{1,0}, bf16[256,256]{1,0}) tuple(%new, %rsd, %agd)
 }
@@ -893,16 +905,19 @@ def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     size, share = 1024 * 256 * 4, 128 * 256 * 2
     rows, unknown = traffic(COLLECTIVES_HLO, devices=8)
     # each start sends its part (all-reduce 2·7/8 of the operand, reduce-scatter to 8 shares 7/8 of it,
-    # all-gather in pairs its one share); the dones are free; the update moves three arrays in HBM
-    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size], "scatter:40": [0, 0, 1, 7 / 8 * size],
-                    "gather:50": [0, 0, 1, share], "step:20": [3 * size, 0, 1, 0]} and unknown == []
+    # the all-gather in pairs its one share, in a conditional's branch); the dones are free; the update moves
+    # three arrays in HBM, the other branch's stacking reads the share twice and writes it twice
+    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size, 0], "scatter:40": [0, 0, 1, 7 / 8 * size, 0],
+                    "gather:50": [0, 0, 1, share, share], "step:20": [3 * size, 0, 1, 0, 0],
+                    "pad:60": [4 * share, 0, 1, 0, 0]} and unknown == []
     # groups the HLO names only by the mesh: all the devices
     meshed = COLLECTIVES_HLO.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=mesh['dp'=2] {'dp'}")
     assert traffic(meshed, devices=2)[0]["psum:30"][3] == size  # 2·1/2
     lines = traffic_lines(COLLECTIVES_HLO, 5, 8)
     sent = (2 * 7 / 8 + 7 / 8) * size + share
     assert f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed" in lines[0]
-    assert [l.split()[-1] for l in lines[1:]] == ["psum:30", "scatter:40", "step:20", "gather:50"]  # the slowest first
+    assert f"{(sent - share) / 1e9:.2f} GB outside conditionals' branches: an even step's" in lines[0]
+    assert [l.split()[-1] for l in lines[1:]] == ["psum:30", "scatter:40", "step:20", "gather:50", "pad:60"]  # the slowest first
     assert lines[1].endswith(f"{2 * 7 / 8 * size / 1e9:.2f} GB sent  psum:30") and "sent" not in lines[3]
     assert "sent" not in traffic_lines(TRAFFIC_HLO, 5, 1)[0]
 

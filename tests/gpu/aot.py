@@ -143,7 +143,7 @@ def record_programs(hp, mesh, which: str):
     params = {k: jax.ShapeDtypeStruct(s, d, sharding=rep) for k, (s, d) in tg.param_shapes(hp).items()}
     weights = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in tg.buffer_shapes(hp).items()}
     buffers = {"bigram_sign_table": abstract(weights["bigram_sign_table"], rep)}
-    opt_state = jax.tree.map(abstract, jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp), params),
+    opt_state = jax.tree.map(abstract, jax.eval_shape(lambda p: tg.init_optimizer_state(p, hp, mesh.size), params),
                              tg.optimizer_state_shardings(hp, mesh))
     fp8 = jax.eval_shape(tg.fp8_state, weights)  # its layout as train() gets it
     fp8 = {"next_w": abstract(fp8["next_w"], rep), "act": abstract(fp8["act"], by_chunk)}
@@ -159,8 +159,10 @@ def record_programs(hp, mesh, which: str):
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
 # without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
 # slice where a fusion reads or updates a slice), loop bodies count their known trip counts, every
-# branch of a conditional counts, and a custom call (a Pallas kernel) counts its operands, and FLOPs only
-# where it is one of train_gpt's Pallas GEMM kernels. A collective among the devices counts the bytes each
+# branch of a conditional counts (so a train step's figures are an odd step's: Adam steps, and
+# exchanges its gradients, inside a conditional; what is sent outside conditionals is an even
+# step's), and a custom call (a Pallas kernel) counts its operands, and FLOPs only where it is one of
+# train_gpt's Pallas GEMM kernels. A collective among the devices counts the bytes each
 # device sends over NVLink in a ring (all-reduce: 2(n-1)/n of its operand; all-gather and reduce-scatter:
 # (n-1)/n of the whole; its HBM traffic is left out), at its start where it is asynchronous.
 ELEMENT_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -196,8 +198,9 @@ def type_bytes(type_: str) -> int:
 
 
 def traffic(text: str, devices: int = 1) -> tuple:
-    """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices]}, loops without a
-    known trip count) of one run of the module's entry computation on one of `devices` devices."""
+    """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices, of them inside a
+    conditional's branch]}, loops without a known trip count) of one run of the module's entry
+    computation on one of `devices` devices."""
     module, where = parse_hlo(text), source_of(text)
     rows, unknown = {}, []
     typ = lambda comp, name: module.get(comp, name).type if module.get(comp, name) else ""  # noqa: E731
@@ -231,7 +234,7 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 moved += type_bytes(typ(called, r.operands[1]) if r.op == "dynamic-update-slice" else r.type)
         return moved
 
-    def walk(comp, times):
+    def walk(comp, times, branch=False):
         for ins in module.computations[comp].values():
             if ins.op in FREE_OPS:
                 continue
@@ -240,13 +243,13 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
                 if not trips:
                     unknown.append(ins.name)
-                walk(re.search(r"body=%?([\w.\-]+)", ins.attrs)[1], times * (int(trips[1]) if trips else 1))
+                walk(re.search(r"body=%?([\w.\-]+)", ins.attrs)[1], times * (int(trips[1]) if trips else 1), branch)
                 continue
             if ins.op in ("conditional", "call"):
-                for branch in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
-                    walk(branch, times)
+                for called_comp in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
+                    walk(called_comp, times, branch or ins.op == "conditional")
                 continue
-            if ins.op.removesuffix("-done") in SENT_SHARE:  # an asynchronous collective's end: counted at its start
+            if ins.op.endswith("-done") and ins.op.removesuffix("-done") in SENT_SHARE:  # an asynchronous end: counted at its start
                 continue
             collective, sent = ins.op.removesuffix("-start"), 0
             if collective in SENT_SHARE:
@@ -265,11 +268,12 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 if pallas_gemm(ins):  # A (M x K) and B (N x K) first: 2·M·N·K
                     (M, K), (N, _) = dims(typ(comp, ins.operands[0])), dims(typ(comp, ins.operands[1]))
                     flops = 2 * M * N * K
-            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0])
+            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0, 0])
             row[0] += moved * times
             row[1] += flops * times
             row[2] += times
             row[3] += sent * times
+            row[4] += sent * times if branch else 0
 
     entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
     walk(entry, 1)
@@ -285,12 +289,13 @@ def kernel_sources(text: str) -> dict:
 def traffic_lines(text: str, top: int, devices: int = 1) -> list:
     rows, unknown = traffic(text, devices)
     seconds = lambda r: max(r[0] / HBM_BYTES_PER_S, r[1] / GEMM_FLOPS_PER_S, r[3] / NVLINK_BYTES_PER_S)  # noqa: E731
-    moved, flops, sent = (sum(r[i] for r in rows.values()) for i in (0, 1, 3))
+    moved, flops, sent, in_branches = (sum(r[i] for r in rows.values()) for i in (0, 1, 3, 4))
     lines = [f"    estimate: {moved / 1e9:.0f} GB moved ({moved / HBM_BYTES_PER_S * 1e3:.0f} ms at "
              f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s), {flops / 1e12:.0f} TFLOP in GEMMs ({flops / GEMM_FLOPS_PER_S * 1e3:.0f} "
              f"ms at {GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s), "
              + (f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed "
-                f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s of NVLink), " if sent else "")
+                f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s of NVLink; {(sent - in_branches) / 1e9:.2f} GB outside "
+                f"conditionals' branches: an even step's, without Adam's), " if sent else "")
              + f"sum of per-kernel floors {sum(map(seconds, rows.values())) * 1e3:.0f} ms"
              + (f"; {len(unknown)} loops counted once" if unknown else "")]
     for source, r in sorted(rows.items(), key=lambda kv: -seconds(kv[1]))[:top]:
