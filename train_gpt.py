@@ -2207,6 +2207,9 @@ def optimizer_state_specs(opt_state, devices: int):
     gradients (devices, *shape) by device: each device keeps its own."""
     def spec(path, x):
         if path[0].key == "kept_grads":
+            if devices > 1 and np.shape(x)[:1] != (devices,):
+                raise ValueError(f"kept gradient {path[1].key} of shape {np.shape(x)}: the train step keeps one per "
+                                 f"device, so make the state with init_optimizer_state(..., devices={devices})")
             return P("dp") if devices > 1 else P()
         return update_spec(devices, np.shape(x), PARAM_TABLE[path[1].key].get("split_axis"))
 

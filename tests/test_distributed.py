@@ -70,6 +70,35 @@ def test_one_device_and_two_processes_of_four_devices_train_the_same(request, ti
     assert losses_one[-1] < losses_one[0] - 0.3  # and the steps did learn something
 
 
+EXCHANGE_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+import train_gpt as tg
+mesh, rng = tg.make_mesh(), np.random.default_rng()
+P = jax.sharding.PartitionSpec
+for shape, axis, dtype in [((8, 6), 0, jnp.bfloat16), ((6, 8), 1, jnp.bfloat16), ((6, 5), 0, jnp.bfloat16),
+                           ((3,), None, jnp.float32)]:
+    g = jax.device_put(jnp.asarray(rng.standard_normal((4, *shape)), dtype), jax.sharding.NamedSharding(mesh, P("dp")))
+    out = jax.jit(lambda g: tg.exchange_gradient(mesh, 8, g, axis))(g)
+    want = np.asarray(g.astype(jnp.float32), np.float64).sum(0) / 8
+    assert out.dtype == dtype and out.shape == shape, (shape, out.dtype, out.shape)
+    assert out.sharding.spec == tg.update_spec(4, shape, axis) == (P("dp") if axis == 0 and shape[0] == 8 else
+                                                                   P(None, "dp") if axis == 1 else P()), out.sharding
+    tol = 2 ** -7 * np.abs(np.asarray(g.astype(jnp.float32), np.float64)).sum(0) / 8 + 1e-7  # bf16 sums' rounding
+    assert np.all(np.abs(np.asarray(out.astype(jnp.float32), np.float64) - want) <= tol), shape
+print("exchanged")
+"""
+
+
+def test_the_exchange_averages_over_the_chunks_and_splits_as_the_update():
+    """exchange_gradient on 4 CPU devices that hold 2 of the step's 8 chunks each: the devices' sums
+    averaged over the 8 chunks (not the 4 devices), in the gradient's dtype, reduce-scattered along the
+    parameter's split axis (rows, or lm_head's columns) or whole on every device where it does not split
+    evenly or has none, against float64."""
+    result = subprocess.run([sys.executable, "-c", EXCHANGE_CHECK], cwd=ROOT, env=host_devices_env(4),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "exchanged" in result.stdout, result.stderr[-3000:]
+
+
 @pytest.mark.heavy(3)
 def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_path):
     """Process 1 is killed once both have joined the run (process 0 says it is checking shards: past
