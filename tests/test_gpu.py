@@ -837,11 +837,11 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
 
     per_trip = (256 + 4 + 256) + (0 + 256 + 4 + 256)  # read: slice, index, row; write: in place, row, index, update
     rows, unknown = traffic(TRAFFIC_HLO)
-    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8, 0, 0],  # (nothing sent to other devices)
-                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1, 0, 0]}
+    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8, 0],  # (nothing sent to other devices)
+                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1, 0]}
     assert unknown == []
     rows, unknown = traffic(TRAFFIC_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
-    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0, 0] and unknown == ["loop"]  # counted once, and said
+    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0] and unknown == ["loop"]  # counted once, and said
     # custom calls count no FLOPs (cuBLAS's are not counted here at all), but train_gpt's Pallas GEMM kernels
     # do: 2·M·N·K from their first two operands, the head's x8 (64 x 32) and w8 (96 x 32)
     line = next(l for l in CUBLAS_HLO.splitlines() if "%cublas-lt-matmul.1 =" in l)
@@ -900,25 +900,30 @@ FileNames
 
 def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-    from aot import NVLINK_BYTES_PER_S, traffic, traffic_lines
+    from aot import HBM_BYTES_PER_S, NVLINK_BYTES_PER_S, traffic, traffic_lines
 
     size, share = 1024 * 256 * 4, 128 * 256 * 2
     rows, unknown = traffic(COLLECTIVES_HLO, devices=8)
     # each start sends its part (all-reduce 2·7/8 of the operand, reduce-scatter to 8 shares 7/8 of it,
     # the all-gather in pairs its one share, in a conditional's branch); the dones are free; the update moves
     # three arrays in HBM, the other branch's stacking reads the share twice and writes it twice
-    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size, 0], "scatter:40": [0, 0, 1, 7 / 8 * size, 0],
-                    "gather:50": [0, 0, 1, share, share], "step:20": [3 * size, 0, 1, 0, 0],
-                    "pad:60": [4 * share, 0, 1, 0, 0]} and unknown == []
+    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size], "scatter:40": [0, 0, 1, 7 / 8 * size],
+                    "gather:50": [0, 0, 1, share], "step:20": [3 * size, 0, 1, 0],
+                    "pad:60": [4 * share, 0, 1, 0]} and unknown == []
+    # an even step's: no branch of the conditional
+    assert traffic(COLLECTIVES_HLO, devices=8, branches=False)[0] == {
+        k: v for k, v in rows.items() if k not in ("gather:50", "pad:60")}
     # groups the HLO names only by the mesh: all the devices
     meshed = COLLECTIVES_HLO.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=mesh['dp'=2] {'dp'}")
     assert traffic(meshed, devices=2)[0]["psum:30"][3] == size  # 2·1/2
     lines = traffic_lines(COLLECTIVES_HLO, 5, 8)
     sent = (2 * 7 / 8 + 7 / 8) * size + share
     assert f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed" in lines[0]
-    assert f"{(sent - share) / 1e9:.2f} GB outside conditionals' branches: an even step's" in lines[0]
-    assert [l.split()[-1] for l in lines[1:]] == ["psum:30", "scatter:40", "step:20", "gather:50", "pad:60"]  # the slowest first
-    assert lines[1].endswith(f"{2 * 7 / 8 * size / 1e9:.2f} GB sent  psum:30") and "sent" not in lines[3]
+    even_ms = (2 * 7 / 8 * size + 7 / 8 * size) / NVLINK_BYTES_PER_S * 1e3 + 3 * size / HBM_BYTES_PER_S * 1e3
+    assert lines[1] == (f"    without conditionals' branches (an even step): {3 * size / 1e9:.0f} GB moved, "
+                        f"{(sent - share) / 1e9:.2f} GB sent, sum of per-kernel floors {even_ms:.0f} ms")
+    assert [l.split()[-1] for l in lines[2:]] == ["psum:30", "scatter:40", "step:20", "gather:50", "pad:60"]  # the slowest first
+    assert lines[2].endswith(f"{2 * 7 / 8 * size / 1e9:.2f} GB sent  psum:30") and "sent" not in lines[4]
     assert "sent" not in traffic_lines(TRAFFIC_HLO, 5, 1)[0]
 
 

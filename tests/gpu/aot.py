@@ -160,11 +160,11 @@ def record_programs(hp, mesh, which: str):
 # without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
 # slice where a fusion reads or updates a slice), loop bodies count their known trip counts, every
 # branch of a conditional counts (so a train step's figures are an odd step's: Adam steps, and
-# exchanges its gradients, inside a conditional; what is sent outside conditionals is an even
-# step's), and a custom call (a Pallas kernel) counts its operands, and FLOPs only where it is one of
-# train_gpt's Pallas GEMM kernels. A collective among the devices counts the bytes each
-# device sends over NVLink in a ring (all-reduce: 2(n-1)/n of its operand; all-gather and reduce-scatter:
-# (n-1)/n of the whole; its HBM traffic is left out), at its start where it is asynchronous.
+# exchanges its gradients, inside a conditional; an even step's count none), and a custom call (a
+# Pallas kernel) counts its operands, and FLOPs only where it is one of train_gpt's Pallas GEMM
+# kernels. A collective among the devices counts the bytes each device sends over NVLink in a ring
+# (all-reduce: 2(n-1)/n of its operand; all-gather and reduce-scatter: (n-1)/n of the whole; its HBM
+# traffic is left out), at its start where it is asynchronous.
 ELEMENT_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                  "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "u8": 1, "pred": 1, "token": 0}
 # rates seen on the H100 machines here: a device-to-device copy ~3.0 TB/s, an 8192^3 bf16 product ~800 TFLOP/s
@@ -197,10 +197,10 @@ def type_bytes(type_: str) -> int:
                for t, shape in re.findall(r"(\w+)\[([\d,]*)\]", type_))
 
 
-def traffic(text: str, devices: int = 1) -> tuple:
-    """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices, of them inside a
-    conditional's branch]}, loops without a known trip count) of one run of the module's entry
-    computation on one of `devices` devices."""
+def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
+    """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices]}, loops without a
+    known trip count) of one run of the module's entry computation on one of `devices` devices; every
+    conditional's branches counted, or (branches=False) none of them."""
     module, where = parse_hlo(text), source_of(text)
     rows, unknown = {}, []
     typ = lambda comp, name: module.get(comp, name).type if module.get(comp, name) else ""  # noqa: E731
@@ -234,7 +234,7 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 moved += type_bytes(typ(called, r.operands[1]) if r.op == "dynamic-update-slice" else r.type)
         return moved
 
-    def walk(comp, times, branch=False):
+    def walk(comp, times):
         for ins in module.computations[comp].values():
             if ins.op in FREE_OPS:
                 continue
@@ -243,11 +243,12 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
                 if not trips:
                     unknown.append(ins.name)
-                walk(re.search(r"body=%?([\w.\-]+)", ins.attrs)[1], times * (int(trips[1]) if trips else 1), branch)
+                walk(re.search(r"body=%?([\w.\-]+)", ins.attrs)[1], times * (int(trips[1]) if trips else 1))
                 continue
             if ins.op in ("conditional", "call"):
-                for called_comp in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
-                    walk(called_comp, times, branch or ins.op == "conditional")
+                for target in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
+                    if branches or ins.op == "call":
+                        walk(target, times)
                 continue
             if ins.op.endswith("-done") and ins.op.removesuffix("-done") in SENT_SHARE:  # an asynchronous end: counted at its start
                 continue
@@ -268,12 +269,11 @@ def traffic(text: str, devices: int = 1) -> tuple:
                 if pallas_gemm(ins):  # A (M x K) and B (N x K) first: 2·M·N·K
                     (M, K), (N, _) = dims(typ(comp, ins.operands[0])), dims(typ(comp, ins.operands[1]))
                     flops = 2 * M * N * K
-            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0, 0])
+            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0])
             row[0] += moved * times
             row[1] += flops * times
             row[2] += times
             row[3] += sent * times
-            row[4] += sent * times if branch else 0
 
     entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
     walk(entry, 1)
@@ -287,17 +287,24 @@ def kernel_sources(text: str) -> dict:
 
 
 def traffic_lines(text: str, top: int, devices: int = 1) -> list:
+    """The estimate's line and its `top` costliest source lines; with collectives, also a step that runs
+    no conditional's branch: a train step's even step, when Adam neither steps nor exchanges."""
     rows, unknown = traffic(text, devices)
     seconds = lambda r: max(r[0] / HBM_BYTES_PER_S, r[1] / GEMM_FLOPS_PER_S, r[3] / NVLINK_BYTES_PER_S)  # noqa: E731
-    moved, flops, sent, in_branches = (sum(r[i] for r in rows.values()) for i in (0, 1, 3, 4))
+    floors = lambda rows: sum(map(seconds, rows.values())) * 1e3  # noqa: E731
+    moved, flops, sent = (sum(r[i] for r in rows.values()) for i in (0, 1, 3))
     lines = [f"    estimate: {moved / 1e9:.0f} GB moved ({moved / HBM_BYTES_PER_S * 1e3:.0f} ms at "
              f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s), {flops / 1e12:.0f} TFLOP in GEMMs ({flops / GEMM_FLOPS_PER_S * 1e3:.0f} "
              f"ms at {GEMM_FLOPS_PER_S / 1e12:.0f} TFLOP/s), "
              + (f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed "
-                f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s of NVLink; {(sent - in_branches) / 1e9:.2f} GB outside "
-                f"conditionals' branches: an even step's, without Adam's), " if sent else "")
-             + f"sum of per-kernel floors {sum(map(seconds, rows.values())) * 1e3:.0f} ms"
+                f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s of NVLink), " if sent else "")
+             + f"sum of per-kernel floors {floors(rows):.0f} ms"
              + (f"; {len(unknown)} loops counted once" if unknown else "")]
+    if sent:
+        even = traffic(text, devices, branches=False)[0]
+        lines.append(f"    without conditionals' branches (an even step): {sum(r[0] for r in even.values()) / 1e9:.0f} GB "
+                     f"moved, {sum(r[3] for r in even.values()) / 1e9:.2f} GB sent, sum of per-kernel floors "
+                     f"{floors(even):.0f} ms")
     for source, r in sorted(rows.items(), key=lambda kv: -seconds(kv[1]))[:top]:
         lines.append(f"    {seconds(r) * 1e3:7.1f} ms {r[0] / 1e9:8.1f} GB {r[1] / 1e12:6.1f} TFLOP {r[2]:6d} kernels  "
                      + (f"{r[3] / 1e9:.2f} GB sent  " if r[3] else "") + source)
