@@ -2228,9 +2228,9 @@ def make_train_step(hp: Hyperparameters, mesh):
     """train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V)
     -> (params, opt_state, fp8, mean per-token loss). Jit-compiled; one program per stage shape; opt_state
     laid out as optimizer_state_shardings (initial_state's: init_optimizer_state with devices=mesh.size),
-    the rest replicated or by chunk. The
-    XLA attention's loops run max_diagonals(hp, shape): the widest windows of hp's stages of that shape
-    (`a` from another stage table with wider windows gives NaN, not a cut window)."""
+    the rest replicated or by chunk. The XLA attention's loops run max_diagonals(hp, shape): the widest
+    windows of hp's stages of that shape (`a` from another stage table with wider windows gives NaN, not
+    a cut window)."""
     replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     specs = dict(mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp"), P("dp"), P(), P(), P()),
                  out_specs=(P("dp"), P(), P("dp")), check_vma=False)
@@ -2245,6 +2245,7 @@ def make_train_step(hp: Hyperparameters, mesh):
         grads = {n: exchange(v.reshape(v.shape[0], -1, *v.shape[-2:]), 0) if n in opt_state["normuon"] else v
                  for n, v in g.items()}  # the banks' every step, in NorMuon's view; Adam's when it steps
         next_w = next_down_weight_scales(params["mlp_bank"])
+
         def split_then_gather(x, axis):  # gathered where computed: inside Adam's branch, so even steps send none
             x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, update_spec(mesh.size, x.shape, axis)))
             return jax.lax.with_sharding_constraint(x, replicated)
