@@ -79,11 +79,12 @@ for shape, axis, dtype in [((8, 6), 0, jnp.bfloat16), ((6, 8), 1, jnp.bfloat16),
                            ((3,), None, jnp.float32)]:
     g = jax.device_put(jnp.asarray(rng.standard_normal((4, *shape)), dtype), jax.sharding.NamedSharding(mesh, P("dp")))
     out = jax.jit(lambda g: tg.exchange_gradient(mesh, 8, g, axis))(g)
-    want = np.asarray(g.astype(jnp.float32), np.float64).sum(0) / 8
+    g64 = np.asarray(g.astype(jnp.float32), np.float64)
+    want = g64.sum(0) / 8
     assert out.dtype == dtype and out.shape == shape, (shape, out.dtype, out.shape)
     assert out.sharding.spec == tg.update_spec(4, shape, axis) == (P("dp") if axis == 0 and shape[0] == 8 else
                                                                    P(None, "dp") if axis == 1 else P()), out.sharding
-    tol = 2 ** -7 * np.abs(np.asarray(g.astype(jnp.float32), np.float64)).sum(0) / 8 + 1e-7  # bf16 sums' rounding
+    tol = 2 ** -7 * np.abs(g64).sum(0) / 8 + 1e-7  # bf16 sums' rounding
     assert np.all(np.abs(np.asarray(out.astype(jnp.float32), np.float64) - want) <= tol), shape
 print("exchanged")
 """

@@ -40,7 +40,8 @@ def train_step_args(hp, w):
     """make_train_step's arguments at step 0 for weights w, the batches as shapes of 8 chunks of 128."""
     params = tg.trainable(w, hp)
     batch = tg.jax.ShapeDtypeStruct((tg.RANKS, 128), tg.jnp.int32)
-    return (params, {k: w[k] for k in tg.buffer_shapes(hp)}, tg.init_optimizer_state(params, hp, tg.make_mesh().size), tg.fp8_state(w),
+    opt_state = tg.init_optimizer_state(params, hp, tg.make_mesh().size)
+    return (params, {k: w[k] for k in tg.buffer_shapes(hp)}, opt_state, tg.fp8_state(w),
             batch, batch, *tg.step_inputs(0, hp), tg.jnp.asarray(tg.prefix_table(hp.padded_vocab)))
 
 

@@ -246,11 +246,11 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
                 walk(re.search(r"body=%?([\w.\-]+)", ins.attrs)[1], times * (int(trips[1]) if trips else 1))
                 continue
             if ins.op in ("conditional", "call"):
-                for target in re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs):
-                    if branches or ins.op == "call":
-                        walk(target, times)
+                targets = re.findall(r"(?:branch_computations=\{|_computation=|to_apply=|,\s*)%([\w.\-]+)", ins.attrs)
+                for target in targets if branches or ins.op == "call" else []:
+                    walk(target, times)
                 continue
-            if ins.op.endswith("-done") and ins.op.removesuffix("-done") in SENT_SHARE:  # an asynchronous end: counted at its start
+            if ins.op.endswith("-done") and ins.op.removesuffix("-done") in SENT_SHARE:  # counted at its start
                 continue
             collective, sent = ins.op.removesuffix("-start"), 0
             if collective in SENT_SHARE:
