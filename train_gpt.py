@@ -460,6 +460,12 @@ def _embedding_bwd(res, g):
 embedding.defvjp(lambda table, ids: (embedding(table, ids), (table, ids)), _embedding_bwd)
 
 
+def row_ids(p: dict, inputs_T) -> dict:
+    """The rows a sequence reads of the two tables looked up by `embedding` (the token embedding: the
+    tokens; the bigram table: their bigram_hash)."""
+    return {"embed.weight": inputs_T, "bigram_embed.weight": bigram_hash(inputs_T, p["bigram_embed.weight"].shape[0])}
+
+
 def f32(x):
     return x.astype(F32)
 
@@ -812,10 +818,11 @@ def layer_weights(p: dict):
 
 
 def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, attention_impl: str = "xla",
-               mlp_impl: str = "xla"):
+               mlp_impl: str = "xla", rows=None):
     """The network up to the final norm for one sequence (int32 (T,), T a multiple of 128).
     `a`: runtime schedule values (see schedule_values). mlp_scales: None (bf16 MLP) or the FP8
-    down projection's (weight scales (12,), activation scales (12,)) of this micro-batch slot.
+    down projection's (weight scales (12,), activation scales (12,)) of this micro-batch slot. rows:
+    the embedding rows at row_ids, if the caller looked them up (the train step, for their gradients).
     Returns the normed hidden states (T, D) bf16 and the post-activation amax per layer (11,)."""
     T = inputs_T.shape[0]
     D = p["embed.weight"].shape[1]
@@ -831,10 +838,12 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
     gate_scale = f32(p["_mudd_gate_scale"].astype(BF16))  # the reference casts it to the activations' dtype
     V = p["embed.weight"].shape[0]
 
-    x = embedding(p["embed.weight"], inputs_T)
+    if rows is None:
+        rows = {name: embedding(p[name], ids) for name, ids in row_ids(p, inputs_T).items()}
+    x = rows["embed.weight"]
     signs = p["bigram_sign_table"][jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.mod(
         jnp.bitwise_xor(inputs_T[:-1], inputs_T[1:]), p["bigram_sign_table"].shape[0])])]
-    x0_bigram = embedding(p["bigram_embed.weight"], bigram_hash(inputs_T, p["bigram_embed.weight"].shape[0])) * signs
+    x0_bigram = rows["bigram_embed.weight"] * signs
     # the value embeddings by indexing, as the reference: there torch.compile's backward of an index adds
     # the rows' cotangents with bf16 atomics on an H100 (not with nn.Embedding's fp32 sums), as
     # autodiff's bf16 scatter-add does here
@@ -1103,12 +1112,12 @@ def fp8_mlp_scales(params: dict, step: int, hp: Hyperparameters, slot: int = 0):
 
 
 def sequence_loss(p: dict, inputs_T, targets_T, a: dict, training: bool, mlp_scales=None, prefix_T=None,
-                  attention_impl: str = "xla", mlp_impl: str = "xla", head_impl: str = "xla"):
+                  attention_impl: str = "xla", mlp_impl: str = "xla", head_impl: str = "xla", rows=None):
     """Per-token losses of one sequence (and the sum backward starts from, and the MLP amaxes).
-    Targets < 0 mark padding (loss_fn's): no loss, and left out of the FP8 amaxes."""
+    Targets < 0 mark padding (loss_fn's): no loss, and left out of the FP8 amaxes. rows: gpt_hidden's."""
     a = {**a, "docs": jnp.cumsum(inputs_T == a["bos"], dtype=jnp.int32),  # a BOS opens a document
          "positions": jnp.arange(inputs_T.shape[0], dtype=F32), "valid": targets_T >= 0}
-    h, amax = gpt_hidden(p, inputs_T, a, training, mlp_scales, attention_impl, mlp_impl)
+    h, amax = gpt_hidden(p, inputs_T, a, training, mlp_scales, attention_impl, mlp_impl, rows)
     if not training:
         losses = eval_head_loss(h, p["lm_head.weight"], targets_T)
         return jnp.sum(losses), losses, amax
@@ -2163,15 +2172,24 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
 
     def chunk(total, xs):
         x_T, y_T, act_12 = xs
+        ids = row_ids(params, x_T)
+        tables = {name: params[name] for name in ids}
 
-        def loss(p):
-            s, losses, amax = sequence_loss({**buffers, **p}, x_T, y_T, a, True, (w_scales, act_12),
-                                            prefix_targets(prefix_V, y_T), attention, mlp, head)
+        def loss(p, rows):
+            s, losses, amax = sequence_loss({**buffers, **tables, **p}, x_T, y_T, a, True, (w_scales, act_12),
+                                            prefix_targets(prefix_V, y_T), attention, mlp, head, rows)
             return s, (losses, amax)
 
-        (_, (losses, amax)), g = jax.value_and_grad(loss, has_aux=True)(params)
-        total = jax.tree.map(lambda t, v: t + v.astype(F32), total, (g, jnp.sum(losses)))
-        return total, next_act_scales(act_12, amax)
+        rest = {name: w for name, w in params.items() if name not in tables}
+        rows = {name: tables[name][i] for name, i in ids.items()}
+        (_, (losses, amax)), (g, g_rows) = jax.value_and_grad(loss, (0, 1), has_aux=True)(rest, rows)
+        sums, loss_sum = total
+        # the looked-up tables' gradients as embedding's backward sums them (each row's cotangents in fp32),
+        # added to the running sums in place: not a table-sized gradient to add per chunk (1 GB of fp32
+        # for the bigram table's alone)
+        sums = {name: sums[name] + v.astype(F32) for name, v in g.items()} | {
+            name: sums[name].at[i].add(g_rows[name].astype(F32)) for name, i in ids.items()}
+        return (sums, loss_sum + jnp.sum(losses).astype(F32)), next_act_scales(act_12, amax)
 
     zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, F32), params), jnp.zeros((), F32))
     (g, loss), act = jax.lax.scan(chunk, zeros, (inputs_MxT, targets_MxT, act_Mx12))

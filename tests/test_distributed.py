@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import train_gpt as tg
 from conftest import TINY_VAL_STEPS, TINY_VOCAB, host_devices_env
 from records.logs import parse_log
 
@@ -122,3 +125,74 @@ def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_p
     finally:
         for p in procs:
             p.kill()
+
+
+
+def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place(tiny_hp, monkeypatch):
+    """device_step on one device scanning 3 chunks whose tokens repeat within and across them, its model
+    a stand-in that reads the token and bigram rows and lm_head: every gradient is the sum of the chunks'
+    own, as autodiff gives them through embedding's backward (in float64), and the tables' rows that no
+    token reads are exactly zero."""
+    hp, rng = tiny_hp, np.random.default_rng()
+    params = {n: jnp.asarray(rng.standard_normal(v.shape), v.dtype) for n, v in tg.trainable(tg.init_params(hp, 0), hp).items()}
+
+    c = {n: jnp.asarray(rng.standard_normal((128, hp.model_dim)), jnp.bfloat16)
+         for n in ("embed.weight", "bigram_embed.weight", "lm_head.weight")}
+
+    def stand_in(p, x_T, y_T, a, training, mlp_scales, prefix_T, attention, mlp, head, rows):
+        # linear in what it reads, with bf16 coefficients: its cotangents are bf16 values exactly, on either path
+        read = {**rows, "lm_head.weight": p["lm_head.weight"][:, y_T].T}
+        losses = sum(jnp.sum(tg.f32(read[n]) * tg.f32(c[n]), axis=1) for n in c)
+        return jnp.sum(losses), losses, jnp.zeros(tg.NUM_LAYERS)
+
+    def one_chunk(p, x_T, y_T):  # the stand-in through embedding, as gpt_hidden looks the rows up itself
+        rows = {n: tg.embedding(p[n], ids) for n, ids in tg.row_ids(p, x_T).items()}
+        return stand_in(p, x_T, y_T, tg.schedule_values(3, hp), *[None] * 6, rows)[0]
+
+    tokens = jnp.asarray(rng.integers(0, 40, (3, 129)), jnp.int32)  # 40 ids: each row read many times
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    monkeypatch.setattr(tg, "sequence_loss", stand_in)
+    P = jax.sharding.PartitionSpec
+    step = jax.shard_map(tg.device_step, mesh=tg.make_mesh(jax.devices()[:1]), check_vma=False,
+                         in_specs=(P(), P(), P("dp"), P("dp"), P("dp"), P(), P(), P()), out_specs=(P("dp"), P(), P("dp")))
+    sums, loss, _ = jax.jit(step)(params, {}, jnp.ones((3, 12)), inputs, targets, tg.schedule_values(3, hp),
+                                  jnp.ones(12), jnp.zeros(8, jnp.int32))
+    alone = [jax.value_and_grad(one_chunk)(params, inputs[k], targets[k]) for k in range(3)]
+    np.testing.assert_allclose(float(loss), sum(float(v) for v, _ in alone), rtol=1e-5)
+    for n, got in sums.items():
+        chunks = [np.asarray(g[n], np.float64) for _, g in alone]
+        want = sum(chunks)
+        assert got.shape == (1, *params[n].shape) and got.dtype == params[n].dtype, n
+        assert np.any(want) == (n in ("embed.weight", "bigram_embed.weight", "lm_head.weight")), n  # what the stand-in reads
+        # each chunk's gradient rounded to bf16 here (the tables': by embedding's backward), the device's fp32
+        # sum of the chunks rounded once there: apart by at most those roundings
+        bound = 2 ** -8 * (sum(np.abs(c) for c in chunks) + np.abs(want)) + 1e-30
+        assert np.all(np.abs(np.asarray(got[0], np.float64) - want) <= bound), n
+    for n in ("embed.weight", "bigram_embed.weight"):
+        read = np.zeros(params[n].shape[0], bool)
+        for k in range(3):
+            read[np.asarray(tg.row_ids(params, inputs[k])[n])] = True
+        got = np.asarray(sums[n][0], np.float64)
+        assert not got[~read].any() and np.all(np.abs(got[read]).sum(1) > 0), n
+
+
+def test_given_the_embedding_rows_the_model_reads_nothing_else_of_their_tables(tiny_hp):
+    """sequence_loss with rows (the train step's: it adds their gradients itself) leaves the token and
+    bigram tables unread, so no gradient of theirs is lost (traced, not compiled)."""
+    hp = tiny_hp
+    w = tg.init_params(hp, 0)
+    names = ("embed.weight", "bigram_embed.weight")
+    x_T = jnp.zeros(128, jnp.int32)
+    a = tg.schedule_values(0, hp)
+
+    def loss(tables, rows):
+        p = {**{n: v for n, v in w.items() if n not in names}, **tables}
+        return tg.sequence_loss(p, x_T, x_T, a, True, tg.fp8_mlp_scales(w, 0, hp), x_T, rows=rows)[0]
+
+    tables = {n: w[n] for n in names}
+    rows = {n: w[n][i] for n, i in tg.row_ids(w, x_T).items()}
+    jaxpr = jax.make_jaxpr(loss)(tables, rows).jaxpr
+    table_vars = jaxpr.invars[:len(names)]
+    used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    assert [id(v) in used for v in table_vars] == [False, False]
+    assert all(id(v) in used for v in jaxpr.invars[len(names):])  # the rows are read

@@ -831,6 +831,57 @@ StackFrames
 """
 
 
+# Two scatter-adds of 8 rows of 64 fp32 into a (1000, 64) table: into the table the fusion is given
+# (its buffer updated in place, as the train step adds the embedding rows' gradients to its sums), and
+# into zeros made inside the fusion (the whole table written). Frames: rows:7 and zeros:8.
+SCATTER_HLO = """HloModule jit_step, is_scheduled=true
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%into_table (t0: f32[1000,64], t1: s32[8,1], t2: f32[8,64]) -> f32[1000,64] {
+  %t0 = f32[1000,64]{1,0} parameter(0)
+  %t1 = s32[8,1]{1,0} parameter(1)
+  %t2 = f32[8,64]{1,0} parameter(2)
+  ROOT %sc = f32[1000,64]{1,0} scatter(f32[1000,64]{1,0} %t0, s32[8,1]{1,0} %t1, f32[8,64]{1,0} %t2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%sum
+}
+
+%into_zeros (z1: s32[8,1], z2: f32[8,64]) -> f32[1000,64] {
+  %z1 = s32[8,1]{1,0} parameter(0)
+  %z2 = f32[8,64]{1,0} parameter(1)
+  %c = f32[] constant(0)
+  %b = f32[1000,64]{1,0} broadcast(f32[] %c), dimensions={}
+  ROOT %sc2 = f32[1000,64]{1,0} scatter(f32[1000,64]{1,0} %b, s32[8,1]{1,0} %z1, f32[8,64]{1,0} %z2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%sum
+}
+
+ENTRY %main (t: f32[1000,64], i: s32[8,1], u: f32[8,64]) -> (f32[1000,64], f32[1000,64]) {
+  %t = f32[1000,64]{1,0} parameter(0)
+  %i = s32[8,1]{1,0} parameter(1)
+  %u = f32[8,64]{1,0} parameter(2)
+  %in_place = f32[1000,64]{1,0} fusion(f32[1000,64]{1,0} %t, s32[8,1]{1,0} %i, f32[8,64]{1,0} %u), kind=kInput, calls=%into_table, metadata={op_name="a" stack_frame_id=1}
+  %fresh = f32[1000,64]{1,0} fusion(s32[8,1]{1,0} %i, f32[8,64]{1,0} %u), kind=kInput, calls=%into_zeros, metadata={op_name="b" stack_frame_id=2}
+  ROOT %out = (f32[1000,64]{1,0}, f32[1000,64]{1,0}) tuple(f32[1000,64]{1,0} %in_place, f32[1000,64]{1,0} %fresh)
+}
+
+FileNames
+1 "model.py"
+
+FunctionNames
+1 "rows"
+2 "zeros"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=7 end_line=7 column=1 end_column=9}
+2 {file_name_id=1 function_name_id=2 line=8 end_line=8 column=1 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+"""
+
 def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     from aot import traffic
@@ -848,6 +899,10 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     pallas = ('  %head = (bf16[64,96]{1,0}, f32[64,1]{1,0}) custom-call(%x8, %w8.1), custom_call_target='
               '"__gpu$xla.gpu.triton", backend_config={name = "head_logits"}')
     assert traffic(CUBLAS_HLO.replace(line, pallas))[0]["?"][1] == 2 * 64 * 96 * 32
+    # a scatter into its fusion's operand updates that buffer in place: the rows it adds are read and
+    # written (and the indices and updates read), not the table; into zeros of its own, the table is written
+    rows, _ = traffic(SCATTER_HLO)
+    assert rows == {"rows:7": [32 + 2048 + 2 * 2048, 0, 1, 0], "zeros:8": [32 + 2048 + 1000 * 64 * 4, 0, 1, 0]}
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
 
 

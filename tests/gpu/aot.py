@@ -223,15 +223,21 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
         moved = 0
         for i, operand in enumerate(ins.operands):
             uses = users.get(params[i].name, []) if i in params else []
-            if uses and all(j == 0 and u.op in ("dynamic-slice", "slice", "gather", "dynamic-update-slice")
+            if uses and all(j == 0 and u.op in ("dynamic-slice", "slice", "gather", "dynamic-update-slice", "scatter")
                             for u, j in uses):  # reads a slice, or updates its buffer in place
-                moved += sum(type_bytes(u.type) for u, _ in uses if u.op != "dynamic-update-slice")
+                moved += sum(type_bytes(u.type) for u, _ in uses if u.op not in ("dynamic-update-slice", "scatter"))
             else:
                 moved += type_bytes(typ(comp, operand))
         root = module.get(called, module.roots[called])
         for r in ([module.get(called, o) for o in root.operands] if root.op == "tuple" else [root]):
-            if r is not None:
-                moved += type_bytes(typ(called, r.operands[1]) if r.op == "dynamic-update-slice" else r.type)
+            if r is None:
+                continue
+            if r.op == "dynamic-update-slice":  # writes the update into its operand's buffer
+                moved += type_bytes(typ(called, r.operands[1]))
+            elif r.op == "scatter" and module.get(called, r.operands[0]).op == "parameter":
+                moved += 2 * type_bytes(typ(called, r.operands[2]))  # in place: reads and writes the rows updated
+            else:
+                moved += type_bytes(r.type)
         return moved
 
     def walk(comp, times):
