@@ -2165,9 +2165,10 @@ def next_act_scales(act_12, amax_11):
 def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla",
                 max_diagonals=None, mlp="xla", head="xla"):
     """This device's chunks one at a time: its gradient sums in each parameter's dtype (a rank's
-    gradient, bf16 for bf16 parameters; summed in fp32 over several chunks), under a leading axis of
-    one (the devices' sums side by side, for exchange_gradient), the summed losses of all devices, new
-    activation scales. max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
+    gradient, bf16 for bf16 parameters; summed in fp32 over several chunks, the token and bigram
+    tables' from their rows' cotangents, rounded once), under a leading axis of one (the devices' sums
+    side by side, for exchange_gradient), the summed losses of all devices, new activation scales.
+    max_diagonals: the XLA attention's static loop bounds (window_attention), if known."""
     a = with_max_diagonals(a, max_diagonals)
 
     def chunk(total, xs):

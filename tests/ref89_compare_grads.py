@@ -49,8 +49,11 @@ EAGER = [
      "         + m[4] * f32(cache[3])).astype(BF16)",
      "x = _b(_b(_b(_b(_b(f32(x) + _b(m[0] * f32(cache[0]))) + _b(m[1] * f32(cache[7]))) + _b(m[2] * f32(cache[9])))\n"
      "           + _b(m[3] * f32(ve[0]))) + _b(m[4] * f32(cache[3])))"),
-    # eager torch on CPU sums nn.Embedding rows' cotangents in bf16 (compiled, and on GPUs: fp32)
-    ("= embedding(p[", "= _index(p["),
+    # eager torch on CPU sums nn.Embedding rows' cotangents in bf16 (compiled, and on GPUs: fp32), in the
+    # check API's forward and in the train step's (train_steps), which adds the rows itself
+    (": embedding(p[name], ids)", ": _index(p[name], ids)"),
+    ("sums[name].at[i].add(g_rows[name].astype(F32))",
+     "sums[name] + jnp.zeros(sums[name].shape, g_rows[name].dtype).at[i].add(g_rows[name]).astype(F32)"),
 ]
 
 

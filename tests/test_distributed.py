@@ -127,7 +127,6 @@ def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_p
             p.kill()
 
 
-
 def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place(tiny_hp, monkeypatch):
     """device_step on one device scanning 3 chunks whose tokens repeat within and across them, its model
     a stand-in that reads the token and bigram rows and lm_head: every gradient is the sum of the chunks'

@@ -158,7 +158,7 @@ def record_programs(hp, mesh, which: str):
 
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
 # without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
-# slice where a fusion reads or updates a slice), loop bodies count their known trip counts, every
+# slice where a fusion reads or updates a slice, the rows where it scatters into a buffer in place), loop bodies count their known trip counts, every
 # branch of a conditional counts (so a train step's figures are an odd step's: Adam steps, and
 # exchanges its gradients, inside a conditional; an even step's count none), and a custom call (a
 # Pallas kernel) counts its operands, and FLOPs only where it is one of train_gpt's Pallas GEMM
@@ -220,22 +220,23 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
             for j, operand in enumerate(user.operands):
                 users.setdefault(operand, []).append((user, j))
         params = {int(p.operands[0]): p for p in module.computations[called].values() if p.op == "parameter"}
+        root = module.get(called, module.roots[called])
+        outputs = [r for r in ([module.get(called, o) for o in root.operands] if root.op == "tuple" else [root]) if r]
+        in_place = {r.name for r in outputs if r.op == "dynamic-update-slice" or r.op == "scatter" and
+                    module.get(called, r.operands[0]).op == "parameter"}  # XLA updates these outputs' buffers in place
         moved = 0
         for i, operand in enumerate(ins.operands):
             uses = users.get(params[i].name, []) if i in params else []
-            if uses and all(j == 0 and u.op in ("dynamic-slice", "slice", "gather", "dynamic-update-slice", "scatter")
-                            for u, j in uses):  # reads a slice, or updates its buffer in place
-                moved += sum(type_bytes(u.type) for u, _ in uses if u.op not in ("dynamic-update-slice", "scatter"))
+            if uses and all(j == 0 and (u.op in ("dynamic-slice", "slice", "gather") or u.name in in_place)
+                            for u, j in uses):  # reads a slice, or is the buffer an output updates in place
+                moved += sum(type_bytes(u.type) for u, _ in uses if u.name not in in_place)
             else:
                 moved += type_bytes(typ(comp, operand))
-        root = module.get(called, module.roots[called])
-        for r in ([module.get(called, o) for o in root.operands] if root.op == "tuple" else [root]):
-            if r is None:
-                continue
-            if r.op == "dynamic-update-slice":  # writes the update into its operand's buffer
+        for r in outputs:
+            if r.name in in_place and r.op == "dynamic-update-slice":  # writes the update into its operand's buffer
                 moved += type_bytes(typ(called, r.operands[1]))
-            elif r.op == "scatter" and module.get(called, r.operands[0]).op == "parameter":
-                moved += 2 * type_bytes(typ(called, r.operands[2]))  # in place: reads and writes the rows updated
+            elif r.name in in_place:  # a scatter reads and writes the rows its updates (its last operands) add to
+                moved += 2 * sum(type_bytes(typ(called, u)) for u in r.operands[(len(r.operands) + 1) // 2:])
             else:
                 moved += type_bytes(r.type)
         return moved
