@@ -133,8 +133,8 @@ def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place
     own, as autodiff gives them through embedding's backward (in float64), and the tables' rows that no
     token reads are exactly zero."""
     hp, rng = tiny_hp, np.random.default_rng()
-    params = {n: jnp.asarray(rng.standard_normal(v.shape), v.dtype) for n, v in tg.trainable(tg.init_params(hp, 0), hp).items()}
-
+    params = {n: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+              for n, v in tg.trainable(tg.init_params(hp, 0), hp).items()}
     c = {n: jnp.asarray(rng.standard_normal((128, hp.model_dim)), jnp.bfloat16)
          for n in ("embed.weight", "bigram_embed.weight", "lm_head.weight")}
 
@@ -153,7 +153,8 @@ def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place
     monkeypatch.setattr(tg, "sequence_loss", stand_in)
     P = jax.sharding.PartitionSpec
     step = jax.shard_map(tg.device_step, mesh=tg.make_mesh(jax.devices()[:1]), check_vma=False,
-                         in_specs=(P(), P(), P("dp"), P("dp"), P("dp"), P(), P(), P()), out_specs=(P("dp"), P(), P("dp")))
+                         in_specs=(P(), P(), P("dp"), P("dp"), P("dp"), P(), P(), P()),
+                         out_specs=(P("dp"), P(), P("dp")))
     sums, loss, _ = jax.jit(step)(params, {}, jnp.ones((3, 12)), inputs, targets, tg.schedule_values(3, hp),
                                   jnp.ones(12), jnp.zeros(8, jnp.int32))
     alone = [jax.value_and_grad(one_chunk)(params, inputs[k], targets[k]) for k in range(3)]
@@ -162,10 +163,10 @@ def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place
         chunks = [np.asarray(g[n], np.float64) for _, g in alone]
         want = sum(chunks)
         assert got.shape == (1, *params[n].shape) and got.dtype == params[n].dtype, n
-        assert np.any(want) == (n in ("embed.weight", "bigram_embed.weight", "lm_head.weight")), n  # what the stand-in reads
+        assert np.any(want) == (n in c), n  # the stand-in reads those three only
         # each chunk's gradient rounded to bf16 here (the tables': by embedding's backward), the device's fp32
         # sum of the chunks rounded once there: apart by at most those roundings
-        bound = 2 ** -8 * (sum(np.abs(c) for c in chunks) + np.abs(want)) + 1e-30
+        bound = 2 ** -8 * (sum(np.abs(chunk) for chunk in chunks) + np.abs(want)) + 1e-30
         assert np.all(np.abs(np.asarray(got[0], np.float64) - want) <= bound), n
     for n in ("embed.weight", "bigram_embed.weight"):
         read = np.zeros(params[n].shape[0], bool)

@@ -882,6 +882,7 @@ StackFrames
 2 {file_location_id=2 parent_frame_id=1}
 """
 
+
 def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     from aot import traffic
@@ -977,7 +978,8 @@ def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     even_ms = (2 * 7 / 8 * size + 7 / 8 * size) / NVLINK_BYTES_PER_S * 1e3 + 3 * size / HBM_BYTES_PER_S * 1e3
     assert lines[1] == (f"    without conditionals' branches (an even step): {3 * size / 1e9:.0f} GB moved, "
                         f"{(sent - share) / 1e9:.2f} GB sent, sum of per-kernel floors {even_ms:.0f} ms")
-    assert [l.split()[-1] for l in lines[2:]] == ["psum:30", "scatter:40", "step:20", "gather:50", "pad:60"]  # the slowest first
+    # the slowest first
+    assert [l.split()[-1] for l in lines[2:]] == ["psum:30", "scatter:40", "step:20", "gather:50", "pad:60"]
     assert lines[2].endswith(f"{2 * 7 / 8 * size / 1e9:.2f} GB sent  psum:30") and "sent" not in lines[4]
     assert "sent" not in traffic_lines(TRAFFIC_HLO, 5, 1)[0]
 

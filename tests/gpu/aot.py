@@ -158,13 +158,14 @@ def record_programs(hp, mesh, which: str):
 
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
 # without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
-# slice where a fusion reads or updates a slice, the rows where it scatters into a buffer in place), loop bodies count their known trip counts, every
-# branch of a conditional counts (so a train step's figures are an odd step's: Adam steps, and
-# exchanges its gradients, inside a conditional; an even step's count none), and a custom call (a
-# Pallas kernel) counts its operands, and FLOPs only where it is one of train_gpt's Pallas GEMM
-# kernels. A collective among the devices counts the bytes each device sends over NVLink in a ring
-# (all-reduce: 2(n-1)/n of its operand; all-gather and reduce-scatter: (n-1)/n of the whole; its HBM
-# traffic is left out), at its start where it is asynchronous.
+# slice where a fusion reads or updates a slice, the rows where it scatters into a buffer in place),
+# loop bodies count their known trip counts, every branch of a conditional counts (so a train step's
+# figures are an odd step's: Adam steps, and exchanges its gradients, inside a conditional; an even
+# step's count none), and a custom call (a Pallas kernel) counts its operands, and FLOPs only where it
+# is one of train_gpt's Pallas GEMM kernels. A collective among the devices counts the bytes each
+# device sends over NVLink in a ring (all-reduce: 2(n-1)/n of its operand; all-gather and
+# reduce-scatter: (n-1)/n of the whole; its HBM traffic is left out), at its start where it is
+# asynchronous.
 ELEMENT_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                  "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "u8": 1, "pred": 1, "token": 0}
 # rates seen on the H100 machines here: a device-to-device copy ~3.0 TB/s, an 8192^3 bf16 product ~800 TFLOP/s
