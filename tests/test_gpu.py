@@ -280,6 +280,7 @@ def _split_top_level(text: str) -> list:
 COMPUTATION_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 OPCODE = re.compile(r"\s*([\w\-]+)\(")
+COMMENT = re.compile(r"/\*.*?\*/")
 
 
 def parse_hlo(text: str) -> Module:
@@ -307,7 +308,8 @@ def parse_hlo(text: str) -> Module:
         if not op:
             continue
         close = _balanced(rest, op.end() - 1)
-        operands = [o.split()[-1].lstrip("%") for o in _split_top_level(rest[op.end():close - 1])]
+        # an operand may be typed (`f32[4]{0} %x`) or follow a comment XLA writes every fifth (`/*index=5*/%x`)
+        operands = [COMMENT.sub(" ", o).split()[-1].lstrip("%") for o in _split_top_level(rest[op.end():close - 1])]
         ins = Instr(name, type_, op[1], operands, rest[close:], current)
         computations[current][name] = ins
         if is_root:
@@ -577,6 +579,34 @@ ENTRY %main.1 (x.1: f32[64,32], w.1: f32[96,32]) -> bf16[64,96] {
 """
 
 
+# A fusion of six operands as XLA prints it: a comment before every fifth operand (and parameter).
+SIX_OPERANDS_HLO = """HloModule jit_six, is_scheduled=true
+
+%six (p0: f32[4], p1: f32[4], p2: f32[4], p3: f32[4], p4: f32[4], /*index=5*/p5: bf16[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %p2 = f32[4]{0} parameter(2)
+  %p3 = f32[4]{0} parameter(3)
+  %p4 = f32[4]{0} parameter(4)
+  %p5 = bf16[4]{0} parameter(5)
+  %s = f32[4]{0} add(%p0, %p1)
+  %t = f32[4]{0} add(%p2, %p3)
+  %u = f32[4]{0} add(%s, %t)
+  %w = f32[4]{0} convert(%p5)
+  ROOT %r = f32[4]{0} add(%u, %w)
+}
+
+ENTRY %main (a: f32[4], b: f32[4], c: f32[4], d: f32[4], e: f32[4], /*index=5*/f: bf16[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %c = f32[4]{0} parameter(2)
+  %d = f32[4]{0} parameter(3)
+  %e = f32[4]{0} parameter(4)
+  %f = bf16[4]{0} parameter(5)
+  ROOT %fused = f32[4]{0} fusion(%a, %b, %c, %d, %e, /*index=5*/%f), kind=kLoop, calls=%six
+}
+"""
+
 def test_hlo_parser_reads_types_operands_and_calls():
     module = parse_hlo(CUBLAS_HLO)
     assert set(module.computations) == {"fused_scale_x", "main.9"}
@@ -589,6 +619,8 @@ def test_hlo_parser_reads_types_operands_and_calls():
     # a computation may share its name with an instruction (nested Triton fusions do)
     triton = parse_hlo(TRITON_HLO)
     assert triton.get("gemm_fusion_dot.1_computation", "dot.0").operands == ["block_fusion", "block_fusion.1"]
+    # the sixth operand follows XLA's /*index=5*/ comment: its name, not the comment's text
+    assert parse_hlo(SIX_OPERANDS_HLO).get("main", "fused").operands == ["a", "b", "c", "d", "e", "f"]
 
 
 def test_cublaslt_fp8_head_passes_and_bf16_gemms_elsewhere_are_ignored():
@@ -905,6 +937,8 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     rows, _ = traffic(SCATTER_HLO)
     assert rows == {"rows:7": [32 + 2048 + 2 * 2048, 0, 1, 0], "zeros:8": [32 + 2048 + 1000 * 64 * 4, 0, 1, 0]}
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
+    # every operand counts, the sixth (after XLA's comment) too: five f32[4] and a bf16[4] read, f32[4] written
+    assert traffic(SIX_OPERANDS_HLO)[0] == {"?": [5 * 16 + 8 + 16, 0, 1, 0]}
 
 
 # Collectives among 8 devices as XLA's GPU compiler leaves them, asynchronous (a start and a done) or
