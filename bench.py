@@ -785,24 +785,22 @@ def tuning_name(kernel, tuning) -> str:
 
 
 def gemm_sweep_inputs(rng, hp, T):
-    """The GEMM kernels' operands at T tokens: {kernel: (function, arguments, FLOPs)}, the head's on one
-    loss chunk (LOSS_CHUNK rows at most, as the program calls it)."""
+    """The GEMM kernels' operands at T tokens: {kernel: (function, arguments, FLOPs)}."""
     D, F, V = hp.model_dim, 4 * hp.model_dim, hp.padded_vocab
     e4m3 = lambda *shape: jnp.asarray(rng.uniform(-448, 448, shape), jnp.float32).astype(tg.E4M3)  # noqa: E731
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
-    rows = min(T, tg.LOSS_CHUNK)
     return {"up": (tg.pallas_mlp_up, (e4m3(T, D), e4m3(F, D), jnp.float32(1e-5), jnp.float32(0.01), jnp.ones(T, bool)),
                    2 * T * D * F),
             "dpre": (tg.pallas_mlp_dpre, (normal(T, D), normal(F, D),
                                           jnp.asarray(rng.uniform(0, 4, (T, F)), jnp.bfloat16)), 2 * T * D * F),
-            "head": (tg.pallas_head_logits, (e4m3(rows, D), e4m3(V, D)), 2 * rows * D * V)}
+            "head": (tg.pallas_head_logits, (e4m3(T, D), e4m3(V, D)), 2 * T * D * V)}
 
 
 def sweep_rows(table, hp, configs, repeats):
     """Each configuration's kernel at the last stage's chunk (6 heads), at its short and long window:
     fwd alone for the forward kernel; the backward (dq and dk/dv kernels, the other at its default)
     for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width, head on
-    one loss chunk of them. A configuration that fails to compile or run is reported and the others go on."""
+    all of them. A configuration that fails to compile or run is reported and the others go on."""
     rng = np.random.default_rng(0)
     first = tg.stage_bounds(hp)[-2][0]
     T, H, K = tg.stage_shape(first, hp)[0], tg.NUM_HEADS, hp.head_dim
@@ -813,7 +811,7 @@ def sweep_rows(table, hp, configs, repeats):
     scale = jnp.float32(0.1)
     errors = []
     gemms = gemm_sweep_inputs(rng, hp, T) if any(k in GEMM_KERNELS for k, _ in configs) else {}
-    notes = {"up": "MLP up projection, FP8", "dpre": "MLP dpre, bf16", "head": "head logits + lse, FP8, one loss chunk"}
+    notes = {"up": "MLP up projection, FP8", "dpre": "MLP dpre, bf16", "head": "head logits + lse, FP8"}
     for kernel, tuning in configs:
         name = f"pallas {tuning_name(kernel, tuning)}"
         try:
@@ -889,7 +887,7 @@ def parse_args(argv=None):
     mode.add_argument("--sweep", metavar="CONFIGS", help="the Pallas kernels' tuning: KERNEL:TILE/WARPS/STAGES items, "
                       "comma-separated: attention KERNEL fwd, dq or dkv, TILE 16-128, each timed at the last stage's "
                       "windows; the GEMM kernels' KERNEL up, dpre (the MLP's) or head, TILE ROWSxCOLSxDEPTH, timed on "
-                      "the last stage's chunk (head: a loss chunk of it); e.g. fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,"
+                      "the last stage's chunk; e.g. fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,"
                       "dpre:128x128x64/4/4,head:128x128x128/8/3")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")

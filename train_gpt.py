@@ -932,7 +932,8 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
 # over the multi-token targets inside the sequence plus w_p·(lse - z[prefix(t_i)]) where the target
 # has a prefix token. Its gradient is built in the forward (as the kernel does: normaliser Σ_k w_k over
 # every MTP weight, e5m2 with saturation) for backward from sum(losses) x grad scale (1, the 8-GPU
-# run's). Rows run in chunks so the (T, V) fp32 logits never exist at once.
+# run's). The (T, V) logits exist once, as the GEMM's bf16 output (the reference's too), never in fp32;
+# validation's head runs its rows in chunks of LOSS_CHUNK (a validation step's are many more).
 
 LOSS_CHUNK = 4096
 E5M2_MAX = 57344.0
@@ -986,41 +987,31 @@ def _capped_lse(z):
 
 
 def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
-    T, V = x_TxD.shape[0], w_DxV.shape[1]
+    V = w_DxV.shape[1]
     x_f8 = (f32(x_TxD) / np.float32(LM_HEAD_X_S)).astype(E4M3)
     w_f8 = (f32(w_DxV) / np.float32(LM_HEAD_W_S)).astype(E4M3)
-    w_f8_VxD = w_f8.T if impl == "pallas" else None  # the kernel reads both operands along D
     coef = np.float32(1.0) * (np.float32(1.0) / np.float32(SOFTCAP_C) * np.float32(SOFTCAP_A)) * (
         np.float32(1.0) / np.float32(LM_HEAD_GRAD_S))
-
-    def chunk(args):
-        x8, cols, ws, total = args
-        if impl == "pallas":  # the normaliser from the GEMM's epilogue; one pass reads u, the gradient's
-            u_grad, lse = pallas_head_logits(x8, w_f8_VxD)
-        else:
-            # Two passes read the (T, V) bf16 logits u, normaliser then gradient, each computing the sigmoid
-            # anew: u passed twice through one barrier keeps XLA's GPU compiler from computing it once into
-            # an fp32 (T, V) array that both passes read (tests/gpu/aot.py's estimate: 15 -> 9 bytes per logit)
-            u = _fp8_logits(x8, w_f8)
-            u_norm, u_grad = jax.lax.optimization_barrier((u, u))
-            lse = _capped_lse(np.float32(SOFTCAP_A) * _softcap_sig(u_norm))
-        zt = np.float32(SOFTCAP_A) * _softcap_sig(jnp.take_along_axis(u_grad, cols, axis=1))
-        losses = jnp.sum(ws * (lse[:, None] - zt), axis=1)
-        # the target columns' weights, summed where columns coincide: elementwise, not a scatter, so
-        # that XLA fuses the whole gradient into one pass over the logits
-        column_V = jnp.arange(V, dtype=cols.dtype)
-        targeted = sum(jnp.where(column_V == cols[:, k:k + 1], ws[:, k:k + 1], np.float32(0))
-                       for k in range(cols.shape[1]))
-        sig = _softcap_sig(u_grad)
-        grad_z = total[:, None] * jnp.exp(np.float32(SOFTCAP_A) * sig - lse[:, None]) - targeted
-        g = coef * grad_z * sig * (1 - sig)
-        # stacked as raw bytes: XLA:CPU has no e5m2 arithmetic and would widen the whole stack to f16
-        # at every chunk's update (on a CPU 43% of a 3-chunk step); bitcasts cost nothing on a GPU
-        return losses, jax.lax.bitcast_convert_type(jnp.clip(g, -E5M2_MAX, E5M2_MAX).astype(E5M2), jnp.uint8)
-
-    parts = _chunks(T, x_f8, cols_TxP, ws_TxP, total_T)
-    losses, g_bytes = jax.lax.map(chunk, tuple(parts))
-    return losses.reshape(T), jax.lax.bitcast_convert_type(g_bytes, E5M2).reshape(T, V), x_f8, w_f8
+    if impl == "pallas":  # the normaliser from the GEMM's epilogue; one pass reads u, the gradient's
+        u_grad, lse = pallas_head_logits(x_f8, w_f8.T)  # the kernel reads both operands along D
+    else:
+        # Two passes read the (T, V) bf16 logits u, normaliser then gradient, each computing the sigmoid
+        # anew: u passed twice through one barrier keeps XLA's GPU compiler from computing it once into
+        # an fp32 (T, V) array that both passes read (tests/gpu/aot.py's estimate: 15 -> 9 bytes per logit)
+        u = _fp8_logits(x_f8, w_f8)
+        u_norm, u_grad = jax.lax.optimization_barrier((u, u))
+        lse = _capped_lse(np.float32(SOFTCAP_A) * _softcap_sig(u_norm))
+    zt = np.float32(SOFTCAP_A) * _softcap_sig(jnp.take_along_axis(u_grad, cols_TxP, axis=1))
+    losses = jnp.sum(ws_TxP * (lse[:, None] - zt), axis=1)
+    # the target columns' weights, summed where columns coincide: elementwise, not a scatter, so
+    # that XLA fuses the whole gradient into one pass over the logits
+    column_V = jnp.arange(V, dtype=cols_TxP.dtype)
+    targeted = sum(jnp.where(column_V == cols_TxP[:, k:k + 1], ws_TxP[:, k:k + 1], np.float32(0))
+                   for k in range(cols_TxP.shape[1]))
+    sig = _softcap_sig(u_grad)
+    grad_z = total_T[:, None] * jnp.exp(np.float32(SOFTCAP_A) * sig - lse[:, None]) - targeted
+    g = coef * grad_z * sig * (1 - sig)
+    return losses, jnp.clip(g, -E5M2_MAX, E5M2_MAX).astype(E5M2), x_f8, w_f8
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -1542,22 +1533,29 @@ def _gemm_nt(a_ref, b_ref, depth):
 class _GemmGrid:
     """The launch grid of a GEMM kernel over output tiles (i, j) of t.rows x t.cols, and its block
     specs: A's rows i (M x K), B's rows j (N x K), whole in K (the kernel loops over it), and output
-    blocks of any shape at (i, j). Triton launches the grid's first axis fastest: `by_rows` puts the
-    row tiles first, so that the programs running together share B's tile (the head: B, 50,304 rows,
-    is larger than the L2, A's loss chunk is small); otherwise the column tiles go first and share A's
-    (the MLP: each row tile of x or g, read once, the weight stays in the L2). Every Pallas GEMM here
-    takes A and B first (tests/test_gpu.py reads them as the GEMM's operands)."""
+    blocks of any shape at (i, j). Triton launches the grid's first axis fastest. `row_group` (rows):
+    the row tiles first, in groups of that many rows, one group over all column tiles before the next,
+    so that the programs running together share B's tile and the group's rows of A stay in the L2 (the
+    head: B, 50,304 rows, and A, a chunk's 49,152, are each near the 50 MB L2's size; a group of 4,096
+    rows of A is 3 MB); without, the column tiles go first and share A's (the MLP: each row tile of x
+    or g, read once, the weight stays in the L2). Every Pallas GEMM here takes A and B first
+    (tests/test_gpu.py reads them as the GEMM's operands)."""
 
-    def __init__(self, t: GemmTuning, M: int, N: int, K: int, by_rows: bool):
+    def __init__(self, t: GemmTuning, M: int, N: int, K: int, row_group: int = 0):
         tiles = (M // t.rows, N // t.cols)
-        self.grid = tiles if by_rows else tiles[::-1]
-        self.ij = (lambda p, q: (p, q)) if by_rows else (lambda p, q: (q, p))
+        if row_group:
+            g = math.gcd(tiles[0], max(1, row_group // t.rows))  # row tiles a group
+            self.grid = (g, tiles[1], tiles[0] // g)
+            self.ij = lambda p, q, r: (r * g + p, q)
+        else:
+            self.grid = tiles[::-1]
+            self.ij = lambda p, q: (q, p)
         self.tiles = tiles
         self.operands = [self.block((t.rows, K), lambda i, j: (i, 0)), self.block((t.cols, K), lambda i, j: (j, 0))]
 
     def block(self, shape, index=lambda i, j: (i, j)):
         """A block spec of `shape` at index(i, j) of the output tile (i, j) a program computes."""
-        return pl.BlockSpec(shape, lambda p, q: index(*self.ij(p, q)))
+        return pl.BlockSpec(shape, lambda *program: index(*self.ij(*program)))
 
 
 def _bf16_rounded(x):
@@ -1586,7 +1584,7 @@ def pallas_mlp_up(x_f8, w1_f8, dequant, act_scale, valid_T, tuning=PALLAS_MLP_UP
     448) and the max of post over the valid rows, as _mlp_fp8_fwd computes them. T, F multiples of 16."""
     (T, D), F = x_f8.shape, w1_f8.shape[0]
     t = tuning.fit(T, F, D)
-    g = _GemmGrid(t, T, F, D, by_rows=False)
+    g = _GemmGrid(t, T, F, D)
     tile = g.block((t.rows, t.cols))
     call = _pallas(partial(_mlp_up_kernel, depth=t.depth), t, "mlp_up", grid=g.grid,
                    out_shape=(jax.ShapeDtypeStruct((T, F), BF16), jax.ShapeDtypeStruct((T, F), E4M3),
@@ -1602,7 +1600,7 @@ def pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF, tuning=PALLAS_MLP_DPRE):
     """dpre = bf16(2·bf16(g·W2ᵀ)·sqrt(post)), as _mlp_bwd_bf16 computes it."""
     (T, D), F = g_TxD.shape, w2_FxD.shape[0]
     t = tuning.fit(T, F, D)
-    g = _GemmGrid(t, T, F, D, by_rows=False)
+    g = _GemmGrid(t, T, F, D)
     tile = g.block((t.rows, t.cols))
     call = _pallas(partial(_mlp_dpre_kernel, depth=t.depth), t, "mlp_dpre", grid=g.grid,
                    out_shape=jax.ShapeDtypeStruct((T, F), BF16), in_specs=[*g.operands, tile], out_specs=tile)
@@ -1610,6 +1608,7 @@ def pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF, tuning=PALLAS_MLP_DPRE):
 
 
 PALLAS_HEAD = GemmTuning(rows=128, cols=128, depth=128, num_warps=8, num_stages=3)  # 50,304 columns: 393 x 128
+HEAD_ROW_GROUP = 4096  # rows of x a group of the head's tiles covers (_GemmGrid)
 
 
 def _head_logits_kernel(x_ref, w_ref, u_ref, sumexp_ref, *, depth):
@@ -1619,12 +1618,12 @@ def _head_logits_kernel(x_ref, w_ref, u_ref, sumexp_ref, *, depth):
     sumexp_ref[...] = jnp.sum(jnp.exp(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
 
 
-def pallas_head_logits(x_f8_TxD, w_f8_VxD, tuning=PALLAS_HEAD):
+def pallas_head_logits(x_f8_TxD, w_f8_VxD, tuning=PALLAS_HEAD, row_group=HEAD_ROW_GROUP):
     """(u, lse): the FP8 head's bf16 logits u = bf16(x_f8·w_f8ᵀ·scales), as _fp8_logits (w as V x D), and
     each row's log-sum-exp of the softcapped z = A·bf16(sigmoid((u + B)/C)), as _capped_lse of them."""
     (T, D), V = x_f8_TxD.shape, w_f8_VxD.shape[0]
     t = tuning.fit(T, V, D)
-    g = _GemmGrid(t, T, V, D, by_rows=True)
+    g = _GemmGrid(t, T, V, D, row_group)
     call = _pallas(partial(_head_logits_kernel, depth=t.depth), t, "head_logits", grid=g.grid,
                    out_shape=(jax.ShapeDtypeStruct((T, V), BF16), jax.ShapeDtypeStruct((T, g.tiles[1]), F32)),
                    in_specs=g.operands, out_specs=(g.block((t.rows, t.cols)), g.block((t.rows, 1))))

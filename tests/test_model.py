@@ -246,28 +246,21 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits(impl):
     assert (g8 == want8).mean() > 0.995
 
 
-def test_the_train_head_in_chunks_matches_it_whole(monkeypatch):
-    """The record runs the head in chunks of LOSS_CHUNK rows (12 per GPU), stacking the e5m2 gradient
-    chunk by chunk; rows are independent, so the chunks change nothing, bit for bit (the float64 test
-    above checks the values, in one chunk)."""
+def test_the_pallas_head_kernel_covers_its_tiles_in_groups_of_rows():
+    """pallas_head_logits (interpreted here) launches its tiles in groups of rows, each group over every
+    column tile before the next (HEAD_ROW_GROUP): 8 row tiles in 4 groups of 2, 4 column tiles; every
+    tile's logits where the XLA path puts them, bit for bit (small integer e4m3 operands: exact sums),
+    and each row's log-sum-exp over all its column tiles."""
     rng = np.random.default_rng()
     T, D, V = 64, 32, 512
-    x, w = jnp.asarray(rng.normal(size=(T, D)), BF16), jnp.asarray(rng.normal(size=(D, V)) * 0.05, BF16)
-    cols, ws, total = m._loss_targets(jnp.asarray(rng.integers(0, V, T), jnp.int32), jnp.asarray([1.0, 0.5], F32),
-                                      jnp.asarray(rng.integers(-1, V, T), jnp.int32), jnp.float32(0.25), V)
-
-    def run():
-        losses, g8, _, _ = m._train_head_fwd(x, w, cols, ws, total)
-        dx, dw = jax.grad(lambda a, b: m.train_head_loss(a, b, cols, ws, total)[0], argnums=(0, 1))(x, w)
-        assert g8.dtype == m.E5M2
-        return [np.asarray(v.astype(F32)) for v in (losses, g8, dx, dw)]
-
-    whole = run()
-    monkeypatch.setattr(m, "LOSS_CHUNK", 16)
-    assert m._chunks(T, x)[0].shape == (4, 16, D)
-    for got, want in zip(run(), whole):
-        np.testing.assert_array_equal(got, want)
-    assert np.abs(whole[1]).max() > 0 and np.abs(whole[1][-16:]).max() > 0  # the last chunk's rows too
+    x8, w8 = (jnp.asarray(rng.integers(-16, 17, shape), F32).astype(m.E4M3) for shape in ((T, D), (V, D)))
+    tuning = dataclasses.replace(m.PALLAS_HEAD, rows=8, cols=128, depth=16)
+    u, lse = m.pallas_head_logits(x8, w8, tuning, row_group=16)
+    want_u = m._fp8_logits(x8, w8.T)
+    assert np.array_equal(np.asarray(u, np.float32), np.asarray(want_u, np.float32))
+    assert len(np.unique(np.asarray(want_u, np.float32))) > T  # logits that tell tiles apart
+    want_lse = m._capped_lse(np.float32(m.SOFTCAP_A) * m._softcap_sig(want_u))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6)
 
 
 def test_eval_head_loss_matches_float64_on_the_same_bf16_logits():

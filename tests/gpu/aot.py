@@ -337,7 +337,8 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
                  f"arguments {memory.argument_size_in_bytes / GIB:5.2f} "
                  f"GiB, temporaries {memory.temp_size_in_bytes / GIB:5.2f} GiB, in all {total / GIB:5.2f} of "
                  f"{H100_MEMORY / GIB:.1f} GiB"]
-        extra = head_logit_passes(text, hp.padded_vocab, math.gcd(chunk, tg.LOSS_CHUNK))
+        # the train head's logits are the chunk's rows at once; validation's, LOSS_CHUNK rows at a time
+        extra = head_logit_passes(text, hp.padded_vocab, chunk if is_train else math.gcd(chunk, tg.LOSS_CHUNK))
         head = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else
                                   "GEMM and gradient only" if is_train else "GEMM only")  # validation has no gradient
         if is_train:
@@ -363,7 +364,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
 def sweep_rows(mesh, configs: list) -> list:
     """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
     forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv;
-    the MLP's kernels on the chunk's tokens at the record's width for up and dpre, head on a loss chunk."""
+    the MLP's kernels on the chunk's tokens at the record's width for up and dpre, and the head's."""
     hp = tg.PRESETS["record"]
     T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
     rep = NamedSharding(mesh, P())
@@ -388,9 +389,9 @@ def sweep_rows(mesh, configs: list) -> list:
         elif kernel == "dpre":
             fn = lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)  # noqa: E731
             args = (bf16(T, D), bf16(F, D), bf16(T, F))
-        else:  # head: on one loss chunk, as the program calls it
+        else:  # head: on the chunk's tokens, as the program calls it
             fn = lambda x8, w8, t=tuning: tg.pallas_head_logits(x8, w8, t)  # noqa: E731
-            args = (f8(tg.LOSS_CHUNK, D), f8(hp.padded_vocab, D))
+            args = (f8(T, D), f8(hp.padded_vocab, D))
         args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()
         in_specs = (P(),) * len(args)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
