@@ -1534,7 +1534,7 @@ class _GemmGrid:
     """The launch grid of a GEMM kernel over output tiles (i, j) of t.rows x t.cols, and its block
     specs: A's rows i (M x K), B's rows j (N x K), whole in K (the kernel loops over it), and output
     blocks of any shape at (i, j). Triton launches the grid's first axis fastest. `row_group` (rows):
-    the row tiles first, in groups of that many rows, one group over all column tiles before the next,
+    the row tiles first, in groups of at most that many rows, one group over all column tiles before the next,
     so that the programs running together share B's tile and the group's rows of A stay in the L2 (the
     head: B, 50,304 rows, and A, a chunk's 49,152, are each near the 50 MB L2's size; a group of 4,096
     rows of A is 3 MB); without, the column tiles go first and share A's (the MLP: each row tile of x
@@ -1544,7 +1544,7 @@ class _GemmGrid:
     def __init__(self, t: GemmTuning, M: int, N: int, K: int, row_group: int = 0):
         tiles = (M // t.rows, N // t.cols)
         if row_group:
-            g = math.gcd(tiles[0], max(1, row_group // t.rows))  # row tiles a group
+            g = max(d for d in range(1, max(1, row_group // t.rows) + 1) if tiles[0] % d == 0)  # row tiles a group
             self.grid = (g, tiles[1], tiles[0] // g)
             self.ij = lambda p, q, r: (r * g + p, q)
         else:

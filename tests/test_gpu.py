@@ -302,12 +302,12 @@ def parse_hlo(text: str) -> Module:
         end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
         if end < 0:
             continue
-        type_, rest = rest[:end], rest[end:]
+        type_, rest = COMMENT.sub("", rest[:end]), rest[end:]  # a tuple's 6th, 11th, ... element: /*index=5*/
         op = OPCODE.match(rest)
         if not op:
             continue
         close = _balanced(rest, op.end() - 1)
-        # an operand may be typed (`f32[4]{0} %x`) or follow a comment XLA writes every fifth (`/*index=5*/%x`)
+        # an operand may be typed (`f32[4]{0} %x`) or follow the comment XLA writes every fifth (`/*index=5*/%x`)
         operands = [COMMENT.sub(" ", o).split()[-1].lstrip("%") for o in _split_top_level(rest[op.end():close - 1])]
         ins = Instr(name, type_, op[1], operands, rest[close:], current)
         computations[current][name] = ins
@@ -606,6 +606,7 @@ ENTRY %main (a: f32[4], b: f32[4], c: f32[4], d: f32[4], e: f32[4], /*index=5*/f
 }
 """
 
+
 def test_hlo_parser_reads_types_operands_and_calls():
     module = parse_hlo(CUBLAS_HLO)
     assert set(module.computations) == {"fused_scale_x", "main.9"}
@@ -772,6 +773,12 @@ def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found(
         "fusion(%acc, %loop_convert_fusion, %i)", "fusion(%acc, %u1, %i)").replace(
         "  %loop_convert_fusion = bf16[64,96]{1,0} fusion(%u1), kind=kLoop, calls=%sigmoid\n", "")
     assert head_logit_passes(fused, V, 64) == []  # the sigmoid computed inside the gradient's kernel
+    # the sigmoid as a multi-output kernel's 6th output, after XLA's /*index=5*/ comment: found too
+    sixth = HEAD_HLO.replace("%loop_convert_fusion = bf16[64,96]{1,0} fusion(",
+                             "%loop_convert_fusion = (f32[]{}, f32[]{}, f32[]{}, f32[]{}, f32[]{}, "
+                             "/*index=5*/bf16[64,96]{1,0}) fusion(")
+    assert "/*index=5*/bf16[64,96]" in sixth
+    assert head_logit_passes(sixth, V, 64) == ["loop_convert_fusion in body: fusion writes bf16[64,96]"]
     as_f32 = HEAD_HLO.replace("%loop_convert_fusion = bf16[64,96]{1,0}", "%loop_convert_fusion = f32[64,96]{1,0}")
     assert head_logit_passes(as_f32, V, 64) == ["loop_convert_fusion in body: fusion writes f32[64,96]"]
     f32_gemm = HEAD_HLO.replace("%gemm_fusion = bf16[64,96]{1,0}", "%gemm_fusion = f32[64,96]{1,0}")

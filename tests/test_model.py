@@ -248,13 +248,20 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits(impl):
 
 def test_the_pallas_head_kernel_covers_its_tiles_in_groups_of_rows():
     """pallas_head_logits (interpreted here) launches its tiles in groups of rows, each group over every
-    column tile before the next (HEAD_ROW_GROUP): 8 row tiles in 4 groups of 2, 4 column tiles; every
-    tile's logits where the XLA path puts them, bit for bit (small integer e4m3 operands: exact sums),
-    and each row's log-sum-exp over all its column tiles."""
+    column tile before the next (as HEAD_ROW_GROUP's 4,096 rows do at full size): 8 row tiles in 4 groups
+    of 2, 4 column tiles, in that order; every tile's logits where the XLA path puts them, bit for bit
+    (small integer e4m3 operands: exact sums), and each row's log-sum-exp over all its column tiles."""
     rng = np.random.default_rng()
     T, D, V = 64, 32, 512
     x8, w8 = (jnp.asarray(rng.integers(-16, 17, shape), F32).astype(m.E4M3) for shape in ((T, D), (V, D)))
     tuning = dataclasses.replace(m.PALLAS_HEAD, rows=8, cols=128, depth=16)
+    grid = m._GemmGrid(tuning, T, V, D, row_group=16)
+    assert grid.grid == (2, 4, 4)  # row tiles within a group, column tiles, groups: the first axis fastest
+    order = [grid.ij(p, q, r) for r in range(4) for q in range(4) for p in range(2)]
+    assert order[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)] and order[8] == (2, 0)
+    assert sorted(order) == [(i, j) for i in range(8) for j in range(4)]  # each tile once
+    assert m._GemmGrid(tuning, T, V, D, row_group=48).grid == (4, 4, 2)  # 6 row tiles do not divide 8: groups of 4
+    assert m._GemmGrid(tuning, T, V, D).grid == (4, 8)  # the MLP's: column tiles first, sharing A's
     u, lse = m.pallas_head_logits(x8, w8, tuning, row_group=16)
     want_u = m._fp8_logits(x8, w8.T)
     assert np.array_equal(np.asarray(u, np.float32), np.asarray(want_u, np.float32))
