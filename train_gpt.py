@@ -1534,12 +1534,12 @@ class _GemmGrid:
     """The launch grid of a GEMM kernel over output tiles (i, j) of t.rows x t.cols, and its block
     specs: A's rows i (M x K), B's rows j (N x K), whole in K (the kernel loops over it), and output
     blocks of any shape at (i, j). Triton launches the grid's first axis fastest. `row_group` (rows):
-    the row tiles first, in groups of at most that many rows, one group over all column tiles before the next,
-    so that the programs running together share B's tile and the group's rows of A stay in the L2 (the
-    head: B, 50,304 rows, and A, a chunk's 49,152, are each near the 50 MB L2's size; a group of 4,096
-    rows of A is 3 MB); without, the column tiles go first and share A's (the MLP: each row tile of x
-    or g, read once, the weight stays in the L2). Every Pallas GEMM here takes A and B first
-    (tests/test_gpu.py reads them as the GEMM's operands)."""
+    the row tiles first, in groups of at most that many rows, each group over all column tiles before
+    the next, so that the programs running together share B's tile and the group's rows of A stay in
+    the L2 (the head: B, 50,304 rows, and A, a chunk's 49,152, are each near the 50 MB L2's size; a
+    group of 4,096 rows of A is 3 MB); without, the column tiles go first and share A's (the MLP: each
+    row tile of x or g, read once, the weight stays in the L2). Every Pallas GEMM here takes A and B
+    first (tests/test_gpu.py reads them as the GEMM's operands)."""
 
     def __init__(self, t: GemmTuning, M: int, N: int, K: int, row_group: int = 0):
         tiles = (M // t.rows, N // t.cols)
