@@ -607,6 +607,27 @@ ENTRY %main (a: f32[4], b: f32[4], c: f32[4], d: f32[4], e: f32[4], /*index=5*/f
 """
 
 
+# q and k of a fused qkv projection's output read by one kernel: through a bitcast and a convert, two
+# slices of it, a third left unread.
+QK_HLO = """HloModule jit_qk, is_scheduled=true
+
+%qk (p0: bf16[4,12]) -> f32[4,8] {
+  %p0 = bf16[4,12]{1,0} parameter(0)
+  %b = bf16[4,3,4]{2,1,0} bitcast(%p0)
+  %c = f32[4,3,4]{2,1,0} convert(%b)
+  %q = f32[4,1,4]{2,1,0} slice(%c), slice={[0:4], [0:1], [0:4]}
+  %k = f32[4,1,4]{2,1,0} slice(%c), slice={[0:4], [1:2], [0:4]}
+  %qr = f32[4,4]{1,0} bitcast(%q)
+  %kr = f32[4,4]{1,0} bitcast(%k)
+  ROOT %r = f32[4,8]{1,0} concatenate(%qr, %kr), dimensions={1}
+}
+
+ENTRY %main (x: bf16[4,12]) -> f32[4,8] {
+  %x = bf16[4,12]{1,0} parameter(0)
+  ROOT %f = f32[4,8]{1,0} fusion(%x), kind=kLoop, calls=%qk
+}
+"""
+
 def test_hlo_parser_reads_types_operands_and_calls():
     module = parse_hlo(CUBLAS_HLO)
     assert set(module.computations) == {"fused_scale_x", "main.9"}
@@ -944,6 +965,14 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
     # every operand counts, the sixth (after XLA's comment) too: five f32[4] and a bf16[4] read, f32[4] written
     assert traffic(SIX_OPERANDS_HLO)[0] == {"?": [5 * 16 + 8 + 16, 0, 1, 0]}
+    # slices read through a bitcast and a convert: their elements in the operand's type (two of qkv's
+    # three 4 x 4 bf16 parts), not the whole operand; read whole when a use does not slice it
+    assert traffic(QK_HLO)[0] == {"?": [2 * 16 * 2 + 4 * 8 * 4, 0, 1, 0]}
+    whole = QK_HLO.replace("  ROOT %r = f32[4,8]{1,0} concatenate(%qr, %kr), dimensions={1}",
+                           "  %r = f32[4,8]{1,0} concatenate(%qr, %kr), dimensions={1}\n"
+                           "  %all = f32[4,12]{1,0} convert(%p0)\n"
+                           "  ROOT %t = (f32[4,8]{1,0}, f32[4,12]{1,0}) tuple(%r, %all)")
+    assert traffic(whole)[0]["?"][0] == 4 * 12 * 2 + 4 * 8 * 4 + 4 * 12 * 4
 
 
 # Collectives among 8 devices as XLA's GPU compiler leaves them, asynchronous (a start and a done) or

@@ -50,7 +50,8 @@ from bench import gemm_kernels_named, parse_sweep, source_of, tuning_name  # noq
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
-    from test_gpu import dims, fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes, pallas_gemm, parse_hlo  # noqa: E402
+    from test_gpu import (dims, element_type, fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes,  # noqa: E402
+                          pallas_gemm, parse_hlo)
 except ImportError as e:
     print(f"tests/gpu/aot.py: {e}; it runs in an environment of its own, with JAX's CUDA plugin and pytest:\n"
           f"  {INSTALL}", file=sys.stderr)
@@ -158,7 +159,8 @@ def record_programs(hp, mesh, which: str):
 
 # A static estimate of a step's memory traffic and GEMM work from the compiled HLO, for ranking costs
 # without a GPU (not a timing): each top-level kernel moves its operands and results once (only the
-# slice where a fusion reads or updates a slice, the rows where it scatters into a buffer in place),
+# slices where a fusion reads slices of an operand, directly or through bitcasts, reshapes, converts and
+# transposes, or updates a slice; the rows where it scatters into a buffer in place),
 # loop bodies count their known trip counts, every branch of a conditional counts (so a train step's
 # figures are an odd step's: Adam steps, and exchanges its gradients, inside a conditional; an even
 # step's count none), and a custom call (a Pallas kernel) counts its operands, and FLOPs only where it
@@ -225,14 +227,29 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
         outputs = [r for r in ([module.get(called, o) for o in root.operands] if root.op == "tuple" else [root]) if r]
         in_place = {r.name for r in outputs if r.op == "dynamic-update-slice" or r.op == "scatter" and
                     module.get(called, r.operands[0]).op == "parameter"}  # XLA updates these outputs' buffers in place
+        def sliced(name):
+            """The elements of parameter `name` the kernel reads where every use slices it, directly or
+            through bitcasts, reshapes, converts and transposes (or is a buffer an output updates in
+            place); None where one reads it whole."""
+            elements = 0
+            for u, j in users.get(name, []):
+                if u.name in in_place and j == 0:
+                    continue
+                if u.op in ("dynamic-slice", "slice", "gather") and j == 0:
+                    elements += int(np.prod(dims(u.type)))
+                elif u.op in ("bitcast", "reshape", "convert", "transpose") and (inner := sliced(u.name)) is not None:
+                    elements += inner
+                else:
+                    return None
+            return elements
+
         moved = 0
         for i, operand in enumerate(ins.operands):
-            uses = users.get(params[i].name, []) if i in params else []
-            if uses and all(j == 0 and (u.op in ("dynamic-slice", "slice", "gather") or u.name in in_place)
-                            for u, j in uses):  # reads a slice, or is the buffer an output updates in place
-                moved += sum(type_bytes(u.type) for u, _ in uses if u.name not in in_place)
-            else:
-                moved += type_bytes(typ(comp, operand))
+            whole, elements = type_bytes(typ(comp, operand)), sliced(params[i].name) if i in params else None
+            if elements is None or not users.get(params[i].name):
+                moved += whole
+            else:  # a slice of it, in its own element type
+                moved += min(whole, elements * ELEMENT_BYTES.get(element_type(typ(comp, operand)), 4))
         for r in outputs:
             if r.name in in_place and r.op == "dynamic-update-slice":  # writes the update into its operand's buffer
                 moved += type_bytes(typ(called, r.operands[1]))
