@@ -973,6 +973,12 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
                            "  %all = f32[4,12]{1,0} convert(%p0)\n"
                            "  ROOT %t = (f32[4,8]{1,0}, f32[4,12]{1,0}) tuple(%r, %all)")
     assert traffic(whole)[0]["?"][0] == 4 * 12 * 2 + 4 * 8 * 4 + 4 * 12 * 4
+    # converted straight into the kernel's output: read whole (nothing after the convert slices it)
+    converted = QK_HLO.replace("  ROOT %r = f32[4,8]{1,0} concatenate(%qr, %kr), dimensions={1}",
+                               "  %r = f32[4,8]{1,0} concatenate(%qr, %kr), dimensions={1}\n"
+                               "  ROOT %all = f32[4,12]{1,0} convert(%p0)").replace("-> f32[4,8] {", "-> f32[4,12] {")
+    assert traffic(converted.replace("ROOT %f = f32[4,8]{1,0}", "ROOT %f = f32[4,12]{1,0}"))[0]["?"][0] == \
+        4 * 12 * 2 + 4 * 12 * 4
 
 
 # Collectives among 8 devices as XLA's GPU compiler leaves them, asynchronous (a start and a done) or

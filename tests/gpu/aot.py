@@ -227,12 +227,15 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
         outputs = [r for r in ([module.get(called, o) for o in root.operands] if root.op == "tuple" else [root]) if r]
         in_place = {r.name for r in outputs if r.op == "dynamic-update-slice" or r.op == "scatter" and
                     module.get(called, r.operands[0]).op == "parameter"}  # XLA updates these outputs' buffers in place
+
         def sliced(name):
             """The elements of parameter `name` the kernel reads where every use slices it, directly or
             through bitcasts, reshapes, converts and transposes (or is a buffer an output updates in
-            place); None where one reads it whole."""
+            place); None where one reads it whole, or nothing uses it (counted whole, as XLA passes it)."""
+            if not users.get(name):
+                return None
             elements = 0
-            for u, j in users.get(name, []):
+            for u, j in users[name]:
                 if u.name in in_place and j == 0:
                     continue
                 if u.op in ("dynamic-slice", "slice", "gather") and j == 0:
@@ -246,7 +249,7 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
         moved = 0
         for i, operand in enumerate(ins.operands):
             whole, elements = type_bytes(typ(comp, operand)), sliced(params[i].name) if i in params else None
-            if elements is None or not users.get(params[i].name):
+            if elements is None:
                 moved += whole
             else:  # a slice of it, in its own element type
                 moved += min(whole, elements * ELEMENT_BYTES.get(element_type(typ(comp, operand)), 4))
