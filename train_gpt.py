@@ -705,9 +705,28 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
 # previous step). Backward in bf16 from the saved post-activation, using sqrt(post) for relu(pre).
 
 
+def _bf16_rounded(x):
+    """fp32 x rounded to bf16's precision (to nearest, ties to even), kept fp32: where the reference stores
+    a value in bf16 and reads it back. On the bits, because XLA's GPU compiler drops a bf16 round trip
+    inside a fused computation (excess precision: an H100 program computed the e4m3 copy of post from
+    fp32 relu(pre)², and dpre from sqrt(relu(pre)²) instead of sqrt(post)) and Pallas's Triton lowering
+    has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry could make one -0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return jnp.where(x == x, jax.lax.bitcast_convert_type(bits, F32), x)
+
+
+def _bf16_kept(x):
+    """x rounded to bf16, as fp32 on bf16's grid: cast (so that a GEMM writes bf16), then rounded on the
+    bits too (a no-op, unless a fusion dropped the cast)."""
+    return _bf16_rounded(f32(x.astype(BF16)))
+
+
 def _relu2(acc):
-    c = jnp.maximum(acc.astype(BF16), 0)
-    return (f32(c) * f32(c)).astype(BF16)
+    """post = relu(pre)² as the reference's kernel rounds it: pre = bf16(acc), post = bf16(pre²), both
+    kept fp32 (on bf16's grid) so that post's e4m3 copy and sqrt(post) read the rounded value."""
+    c = _bf16_kept(jnp.maximum(acc.astype(BF16), 0))
+    return _bf16_rounded(c * c)
 
 
 def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD, impl="xla"):
@@ -715,8 +734,8 @@ def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD, impl="xla"):
     if impl == "pallas":
         dpre = pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF)
     else:
-        c = jnp.matmul(g_TxD, w2_FxD.T, preferred_element_type=F32).astype(BF16)
-        dpre = (2 * f32(c) * jnp.sqrt(f32(post_TxF))).astype(BF16)
+        c = _bf16_kept(jnp.matmul(g_TxD, w2_FxD.T, preferred_element_type=F32))
+        dpre = (2 * c * jnp.sqrt(f32(post_TxF))).astype(BF16)
     dw1 = jnp.matmul(dpre.T, x_TxD, preferred_element_type=F32).astype(BF16)
     dx = jnp.matmul(dpre, w1_FxD, preferred_element_type=F32).astype(BF16)
     return dx, dw1, dw2
@@ -729,7 +748,7 @@ def mlp_bf16(x_TxD, w1_FxD, w2_FxD):
 
 
 def _mlp_bf16_fwd(x_TxD, w1_FxD, w2_FxD):
-    post = _relu2(jnp.matmul(x_TxD, w1_FxD.T, preferred_element_type=F32))
+    post = _relu2(jnp.matmul(x_TxD, w1_FxD.T, preferred_element_type=F32)).astype(BF16)
     return jnp.matmul(post, w2_FxD, preferred_element_type=F32).astype(BF16), (x_TxD, w1_FxD, w2_FxD, post)
 
 
@@ -741,14 +760,19 @@ def fp8_dot(a, b, contract):
 
 
 def measured_scale(w, axes=None):
-    """amax(|w|) / 448 over `axes` in bf16 math, as the reference's quantize_mlp_fp8 measures weights."""
-    return f32(jnp.maximum(jnp.max(jnp.abs(w), axis=axes), 1e-12).astype(BF16) / jnp.asarray(E4M3_MAX, BF16))
+    """amax(|w|) / 448 over `axes` in bf16 math, as the reference's quantize_mlp_fp8 measures weights: the
+    quotient of the bf16 amax rounded to bf16 (a bf16 division by 448, which XLA's GPU compiler makes a
+    product with bf16(1/448), rounded differently)."""
+    amax = f32(jnp.maximum(jnp.max(jnp.abs(w), axis=axes), 1e-12).astype(BF16))
+    return _bf16_rounded(amax / np.float32(E4M3_MAX))
 
 
 def quantize_up(w1_FxD):
-    """The up projection's per-layer e4m3 copy and scale (the reference's quantize_mlp_fp8, in bf16 math)."""
+    """The up projection's per-layer e4m3 copy and scale (the reference's quantize_mlp_fp8, in bf16 math:
+    the quotient rounded to bf16, then to e4m3; XLA's GPU compiler would convert the fp32 quotient
+    straight to e4m3)."""
     scale = measured_scale(w1_FxD)
-    return (f32(w1_FxD) / scale).astype(BF16).astype(E4M3), scale
+    return _bf16_rounded(f32(w1_FxD) / scale).astype(E4M3), scale
 
 
 def down_weight_scales(mlp_bank, bootstrap, next_L):
@@ -779,9 +803,10 @@ def _mlp_fp8_fwd(x_TxD, w1_FxD, w2_FxD, w2_scale, act_scale, valid_T, impl="xla"
     if impl == "pallas":
         post, post_f8, post_amax = pallas_mlp_up(x_f8, w1_f8, dequant, act_scale, valid_T)
     else:
-        post = _relu2(fp8_dot(x_f8, w1_f8, ((1,), (1,))) * dequant)
-        post_f8 = jnp.minimum(f32(post) * (1 / act_scale), E4M3_MAX).astype(E4M3)
-        post_amax = f32(jnp.max(jnp.where(valid_T[:, None], post, 0)))
+        post32 = _relu2(fp8_dot(x_f8, w1_f8, ((1,), (1,))) * dequant)
+        post = post32.astype(BF16)
+        post_f8 = jnp.minimum(post32 * (1 / act_scale), E4M3_MAX).astype(E4M3)
+        post_amax = f32(jnp.max(jnp.where(valid_T[:, None], post, 0)))  # (bf16 post: fuses with its write)
     w2_f8 = jnp.clip(f32(w2_FxD) / w2_scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
     out = (fp8_dot(post_f8, w2_f8, ((1,), (0,))) * (act_scale * w2_scale)).astype(BF16)
     return (out, post_amax), (x_TxD, w1_FxD, w2_FxD, post)
@@ -1558,24 +1583,15 @@ class _GemmGrid:
         return pl.BlockSpec(shape, lambda *program: index(*self.ij(*program)))
 
 
-def _bf16_rounded(x):
-    """fp32 x rounded to bf16's precision (to nearest, ties to even), kept fp32: on the bits, because
-    XLA drops a bf16 round trip inside a fused computation (interpret mode) and Pallas's Triton
-    lowering has no reduce_precision. For finite x."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(bits, F32)
-
-
 def _mlp_up_kernel(x_ref, w_ref, scales_ref, valid_ref, post_ref, post_f8_ref, amax_ref, *, depth):
     post = _relu2(_gemm_nt(x_ref, w_ref, depth) * scales_ref[0])
-    post_ref[...] = post
-    post_f8_ref[...] = jnp.minimum(f32(post) * scales_ref[1], E4M3_MAX).astype(E4M3)
-    amax_ref[...] = jnp.max(jnp.where(valid_ref[...][:, None] != 0, f32(post), 0), keepdims=True)
+    post_ref[...] = post.astype(BF16)
+    post_f8_ref[...] = jnp.minimum(post * scales_ref[1], E4M3_MAX).astype(E4M3)
+    amax_ref[...] = jnp.max(jnp.where(valid_ref[...][:, None] != 0, post, 0), keepdims=True)
 
 
 def _mlp_dpre_kernel(g_ref, w_ref, post_ref, dpre_ref, *, depth):
-    c = _bf16_rounded(_gemm_nt(g_ref, w_ref, depth))  # c = g·W2ᵀ in bf16, as the XLA path's GEMM writes it
+    c = _bf16_rounded(_gemm_nt(g_ref, w_ref, depth))  # c = g·W2ᵀ rounded to bf16, as the reference's kernel
     dpre_ref[...] = (2 * c * jnp.sqrt(f32(post_ref[...]))).astype(BF16)
 
 
@@ -2988,6 +3004,19 @@ def with_stage_flags(hp: Hyperparameters, args) -> Hyperparameters:
 FLAG_FIELDS = [f for f in dataclasses.fields(Hyperparameters) if f.name != "stages"]
 
 
+# The share of each GPU's memory JAX takes for its pool (XLA_PYTHON_CLIENT_MEM_FRACTION; the user's value
+# wins). At JAX's 75%, one H100 running the record preset stopped at its last stage's first step: a small
+# buffer left in the pool during stage 1 split the 61 GB free so that the last stage's 32.3 GiB of
+# temporaries found no range in one piece (2026-11-27; out of memory with 53 GB free in two ranges of 22
+# and 31 GB). At 90% the range after that buffer holds it.
+GPU_MEMORY_FRACTION = "0.90"
+
+
+def claim_gpu_memory(environ=os.environ) -> None:
+    """Before JAX starts its GPU backend: the pool's share of each GPU's memory, unless the user set one."""
+    environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+
+
 def auto_attention() -> str:
     """--attention auto: the fused kernels on GPUs, where they were measured faster at every stage (one H200,
     2026-11-26: 297 / 570 / 847 ms a step against XLA's 384 / 894 / 1,688), XLA elsewhere (Pallas interprets)."""
@@ -3001,6 +3030,7 @@ def main(argv=None) -> int:
         if args.check:  # the backend only names the default preset: it must not take the GPUs' memory
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         else:
+            claim_gpu_memory()
             start_distributed(settings)
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
         if not args.check:  # (the options' verdict does not depend on it)

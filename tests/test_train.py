@@ -225,6 +225,15 @@ def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, t
         result.stderr[-2000:]
 
 
+def test_the_gpu_memory_pool_takes_90_percent_unless_the_user_says_otherwise():
+    env = {"OTHER": "1"}
+    tg.claim_gpu_memory(env)  # JAX's default 75% left one H100 no room for the last stage (2026-11-27)
+    assert env == {"OTHER": "1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90"}
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}
+    tg.claim_gpu_memory(env)
+    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}
+
+
 def test_the_eta_prices_the_steps_left_by_their_tokens():
     """A later stage's step holds more tokens, so it takes longer than the steps timed so far."""
     tokens_S = np.array([100, 100, 200, 200, 300, 300], np.float64)
