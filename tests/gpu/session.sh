@@ -7,14 +7,17 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 #
-#   OUT=$OUT/a BUDGET_S=320 tests/gpu/session.sh short-pallas profile-pallas; \
-#   MLP=pallas HEAD=pallas OUT=$OUT/b BUDGET_S=210 tests/gpu/session.sh profile-pallas
-#                          # call 1 (timeout_s 560): the fused attention's short run to the end (2026-11-26
-#                          # the budget cut it at step 27) and where its last stage's step goes; then the
-#                          # same step with the GEMM kernels (--mlp pallas --head pallas; the head's also
-#                          # answers the lane's FP8 check: autotuning picked cuBLASLt for its logits, whose
-#                          # f32 output takes a pass of its own); the two profiles' op tables time each
-#   BUDGET_S=270 tests/gpu/session.sh lane      # call 2 at once (timeout_s 300), on the warm machine
+#   OUT=$OUT/a BUDGET_S=330 tests/gpu/session.sh short-pallas; XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+#   OUT=$OUT/b BUDGET_S=200 tests/gpu/session.sh profile-pallas
+#                          # call 1 (timeout_s 560): the fused attention's short run to the end (2026-11-27
+#                          # one H100 ran out of memory at stage 2's first step, since given 90% of it),
+#                          # then the last stage's step profiled without XLA's command buffers, which hid
+#                          # most kernels from the profile's tables (2026-11-27: 31-52% of the step in one)
+#   MLP=pallas HEAD=pallas XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/c BUDGET_S=130 \
+#   tests/gpu/session.sh profile-pallas; OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
+#                          # call 2 at once (status first; timeout_s 380): the same step with the Pallas
+#                          # GEMM kernels, kernel by kernel against call 1's; then the lane (211 s with 4
+#                          # processes on 2026-11-27)
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
