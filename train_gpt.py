@@ -470,23 +470,6 @@ def f32(x):
     return x.astype(F32)
 
 
-def _bf16_rounded(x):
-    """fp32 x rounded to bf16's precision (to nearest, ties to even), kept fp32: where the reference stores
-    a value in bf16 and reads it back. On the bits, because XLA's GPU compiler drops a bf16 round trip
-    inside a fused computation (excess precision: an H100 program computed the e4m3 copy of post from
-    fp32 relu(pre)², and dpre from sqrt(relu(pre)²) instead of sqrt(post)) and Pallas's Triton lowering
-    has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry could make one -0)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return jnp.where(x == x, jax.lax.bitcast_convert_type(bits, F32), x)
-
-
-def _bf16_kept(x):
-    """x rounded to bf16, as fp32 on bf16's grid: cast (so that a GEMM writes bf16), then rounded on the
-    bits too (a no-op, unless a fusion dropped the cast)."""
-    return _bf16_rounded(f32(x.astype(BF16)))
-
-
 def bigram_hash(inputs_T, buckets: int):
     """The reference's bigram bucket of each position: (36313·cur XOR 27191·prev) mod (buckets - 1) in
     wrapping int32; position 0 takes the last bucket, and position 1 hashes with prev = that bucket
@@ -702,10 +685,8 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
     else:
         y = attend(q, k, v, a["docs"], window, a["scale"], *bound)
     if dc_w is not None:
-        # the reference's DC kernel reads w1 and writes y in bf16: rounded on the bits too (_bf16_kept), where
-        # XLA would fuse across them
-        w1 = _bf16_kept(rms_norm(f32(dc_w[0]), eps=1e-6))  # normalised over the 6 heads
-        y = _bf16_kept(f32(y) + dc_correction(q, k, v, a["docs"], w1, dc_w[1], a["scale"])).astype(BF16)
+        w1 = rms_norm(f32(dc_w[0]), eps=1e-6).astype(BF16)  # normalised over the 6 heads
+        y = (f32(y) + dc_correction(q, k, v, a["docs"], w1, dc_w[1], a["scale"])).astype(BF16)
     if xsa_alpha_TxH is not None:  # gated XSA: remove the part of y along v, per token and head
         v32 = f32(v)
         along = jnp.sum(f32(y) * v32, -1, keepdims=True) / jnp.maximum(jnp.sum(v32 * v32, -1, keepdims=True), 1e-8)
@@ -722,6 +703,23 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
 # (the activation's measured now, the weight's per layer), the down projection in e4m3 with delayed
 # scales (the activation's from this micro-batch slot's previous forward, the weights' from the
 # previous step). Backward in bf16 from the saved post-activation, using sqrt(post) for relu(pre).
+
+
+def _bf16_rounded(x):
+    """fp32 x rounded to bf16's precision (to nearest, ties to even), kept fp32: where the reference stores
+    a value in bf16 and reads it back. On the bits, because XLA's GPU compiler drops a bf16 round trip
+    inside a fused computation (excess precision: an H100 program computed the e4m3 copy of post from
+    fp32 relu(pre)², and dpre from sqrt(relu(pre)²) instead of sqrt(post)) and Pallas's Triton lowering
+    has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry could make one -0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return jnp.where(x == x, jax.lax.bitcast_convert_type(bits, F32), x)
+
+
+def _bf16_kept(x):
+    """x rounded to bf16, as fp32 on bf16's grid: cast (so that a GEMM writes bf16), then rounded on the
+    bits too (a no-op, unless a fusion dropped the cast)."""
+    return _bf16_rounded(f32(x.astype(BF16)))
 
 
 def _relu2(acc):
