@@ -710,7 +710,9 @@ def _bf16_rounded(x):
     a value in bf16 and reads it back. On the bits, because XLA's GPU compiler drops a bf16 round trip
     inside a fused computation (excess precision: an H100 program computed the e4m3 copy of post from
     fp32 relu(pre)², and dpre from sqrt(relu(pre)²) instead of sqrt(post)) and Pallas's Triton lowering
-    has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry could make one -0)."""
+    has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry could make one -0). No
+    derivative (bit operations): only in forwards a custom_vjp or a kernel owns (autodiff through it
+    zeroes the gradient: 2026-11-27, at the DC correction's output, tried and reverted)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
     return jnp.where(x == x, jax.lax.bitcast_convert_type(bits, F32), x)
