@@ -1,11 +1,11 @@
 """Shared test setup: the repo root on sys.path, no network for huggingface_hub, and the tiny run.
 
-How the suite keeps its cost down (its budget, pytest <= 5 minutes on 2 cores, is not met: README,
-Tests): compiling dominates, so every whole run of train_gpt.py uses TINY_FLAGS (tiny_args) or the
-same settings in-process (tiny_hp), and every process of a test run shares one persistent compile
-cache: an equal program compiles once. Add flags to a run only where they are its point (each new
---num-iterations, learning rate or device count is a new program). On a CPU-only run XLA's LLVM works
-at -O1 (FAST_CPU_COMPILE).
+How the suite keeps its cost down (its budget, pytest <= 5 minutes on 2 cores, is met on this
+machine's faster hours only: README, Tests): compiling dominates, so every whole run of train_gpt.py
+uses TINY_FLAGS (tiny_args) or the same settings in-process (tiny_hp), and every process of a test
+run shares one persistent compile cache: an equal program compiles once. Add flags to a run only
+where they are its point (each new --num-iterations, learning rate or device count is a new
+program). On a CPU-only run XLA's LLVM works at -O1 (FAST_CPU_COMPILE).
 Logs of real runs come from one shared attempt (tiny_attempt); bench.py's smoke preset is the same
 shape, so its profile and suite tests load the attempt's programs.
 ./run.sh test runs two pytest-xdist workers; what they share is made once (shared_once): a test that
@@ -94,10 +94,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """The heavy tests first, by their rank: ./run.sh test's two workers (--dist load, one test at a
-    time as they free up) start the shared attempt (rank 1) and the two-process pair (2) side by side,
-    then the rest; the bench suite (6) loads the attempt's programs, so it comes after the attempt is
-    made. Then the others, in file order."""
+    """The heavy tests first, by their rank, then the others in file order. ./run.sh test's two workers
+    (--dist load) get two consecutive tests each to start with (pytest-xdist's smallest first batch),
+    then one at a time as they free up: the shared attempt (rank 1) and the dead-process pair (2) go to
+    one worker, the two-process run (3) and the whole model (4) to the other, so that the two longest
+    start side by side; the bench suite (6) loads the attempt's programs, so it comes after the attempt
+    is made."""
     def rank(item):  # a heavy test without a rank after the ranked ones
         heavy = item.get_closest_marker("heavy")
         return (0, heavy.args[0] if heavy.args else math.inf) if heavy else (1, 0)
