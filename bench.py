@@ -3,7 +3,7 @@
   python bench.py --suite [--profile DIR] [--compile-cache-dir DIR] [--skip ...] [--out PATH]  # a table, a JSON line
   python bench.py                                       # model forward+backward of one chunk per stage shape
   python bench.py --attention xla                       # the same with the pure-JAX attention (auto: pallas on GPUs)
-  python bench.py --sweep fwd:128/8/2,dq:64/8/3         # the Pallas kernels' tiles, warps, stages: a row each
+  python bench.py --sweep fwd:128/8/2,dq:64/8/3 [--rounds N]  # the Pallas kernels' tiles, warps, stages: a row each
   python bench.py --profile DIR                         # the profile alone (below): the quickest look
 
 Shapes: the record preset on a GPU; elsewhere `tiny` (the cpu preset's model, head size 16, with a
@@ -774,6 +774,9 @@ def parse_sweep(text: str) -> list:
                              f"(attention; TILE 16, 32, 64 or 128, e.g. fwd:128/8/2) or up, dpre or head (the MLP's "
                              f"and the head's GEMMs; TILE ROWSxCOLSxDEPTH, powers of two from 16, e.g. "
                              f"up:128x256x128/8/3)") from None
+        if configs[-1] in configs[:-1]:
+            raise ValueError(f"--sweep item {item!r} is listed twice: its row would hide the other (--rounds times "
+                             f"every configuration again)")
     return configs
 
 
@@ -796,11 +799,14 @@ def gemm_sweep_inputs(rng, hp, T):
             "head": (tg.pallas_head_logits, (e4m3(T, D), e4m3(V, D)), 2 * T * D * V)}
 
 
-def sweep_rows(table, hp, configs, repeats):
+def sweep_rows(table, hp, configs, repeats, rounds):
     """Each configuration's kernel at the last stage's chunk (6 heads), at its short and long window:
     fwd alone for the forward kernel; the backward (dq and dk/dv kernels, the other at its default)
     for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width, head on
-    all of them. A configuration that fails to compile or run is reported and the others go on."""
+    all of them. Everything compiles first; then `rounds` rounds each time every measurement once
+    (`repeats` calls, their median), so that a drift of the device's clocks reaches every row alike: a
+    row is the median of its rounds, the rounds' times go in its note. Returns (errors, {row: ms per
+    round}); a configuration that fails to compile or run is reported and the others go on."""
     rng = np.random.default_rng(0)
     first = tg.stage_bounds(hp)[-2][0]
     T, H, K = tg.stage_shape(first, hp)[0], tg.NUM_HEADS, hp.head_dim
@@ -810,17 +816,22 @@ def sweep_rows(table, hp, configs, repeats):
     q, k, v, dout = (jnp.asarray(rng.standard_normal((T, H, K)), jnp.bfloat16) for _ in range(4))
     scale = jnp.float32(0.1)
     errors = []
+
+    def failed(name, e):
+        errors.append({"section": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+        print(f"bench: {name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+
     gemms = gemm_sweep_inputs(rng, hp, T) if any(k in GEMM_KERNELS for k, _ in configs) else {}
     notes = {"up": "MLP up projection, FP8", "dpre": "MLP dpre, bf16", "head": "head logits + lse, FP8"}
+    rows = []  # (row name, compiled, call arguments, Table.add's keywords)
     for kernel, tuning in configs:
         name = f"pallas {tuning_name(kernel, tuning)}"
         try:
             if kernel in GEMM_KERNELS:  # one GEMM and its epilogue
                 kernel_fn, args, flops = gemms[kernel]
                 compiled, compile_s = compile_timed(jax.jit(lambda *a, f=kernel_fn, t=tuning: f(*a, tuning=t)), *args)
-                sec = seconds_per_call(compiled, args, repeats)
-                table.add(name, sec, tokens=len(args[0]), flops=flops, compiled=compiled, compile_s=compile_s,
-                          note=notes[kernel])
+                rows.append((name, compiled, args, dict(tokens=len(args[0]), flops=flops, compile_s=compile_s,
+                                                        note=notes[kernel])))
                 continue
             # the arrays are arguments, not constants baked into the program
             if kernel == "fwd":
@@ -833,16 +844,29 @@ def sweep_rows(table, hp, configs, repeats):
                     q, k, v, docs, w, scale, out, lse, dout, **kw))
                 args = (q, k, v, docs, out, lse, dout)
             compiled, compile_s = compile_timed(fn, *args, jnp.int32(1))
-            for i, w in enumerate(sorted({int(x) for x in tg.windows(first, hp)})):
-                sec = seconds_per_call(compiled, (*args, jnp.int32(w)), repeats, warm_up=i == 0)
-                per_pair = 4 if kernel == "fwd" else 8
-                table.add(f"{name} W={w}", sec, tokens=T, flops=per_pair * K * H * attention_pairs(docs_T, w),
-                          compiled=compiled, compile_s=compile_s,
-                          note="forward kernel" if kernel == "fwd" else "backward: dq + dk/dv kernels")
+            per_pair = 4 if kernel == "fwd" else 8
+            for w in sorted({int(x) for x in tg.windows(first, hp)}):
+                rows.append((f"{name} W={w}", compiled, (*args, jnp.int32(w)),
+                             dict(tokens=T, flops=per_pair * K * H * attention_pairs(docs_T, w), compile_s=compile_s,
+                                  note="forward kernel" if kernel == "fwd" else "backward: dq + dk/dv kernels")))
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
-            errors.append({"section": name, "error": f"{type(e).__name__}: {e}"[:2000]})
-            print(f"bench: {name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
-    return errors
+            failed(name, e)
+    times = {name: [] for name, *_ in rows}
+    for r in range(rounds):
+        for name, compiled, args, _ in rows:
+            if name not in times:  # it failed in an earlier round
+                continue
+            try:
+                times[name].append(seconds_per_call(compiled, args, repeats, warm_up=r == 0))
+            except Exception as e:  # noqa: BLE001
+                failed(name, e)
+                del times[name]
+    for name, compiled, args, row in rows:
+        if name in times:
+            spread = ", ".join(f"{t * 1e3:.2f}" for t in times[name])
+            table.add(name, float(np.median(times[name])), compiled=compiled,
+                      **{**row, "note": f"{row['note']}; rounds {spread} ms"})
+    return errors, {name: [t * 1e3 for t in ts] for name, ts in times.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -901,6 +925,8 @@ def parse_args(argv=None):
                         help="the FP8 head's implementation in the model, as in train_gpt.py (default xla; the suite's "
                         "head rows time each)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median; default 3)")
+    parser.add_argument("--rounds", type=int, help="with --sweep: time every configuration once per round, round after "
+                        "round, and give each row the median of its rounds (default 3)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU (default 989)")
     parser.add_argument("--profile", metavar="DIR", help="trace train steps of the last stage into DIR and list the top "
                         "device ops and source lines: with --suite, as its last section; alone, the quickest look (that "
@@ -927,6 +953,11 @@ def parse_args(argv=None):
         parser.error("--compile-cache-dir goes with --profile or --suite")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
+    if args.rounds is not None and not args.sweep:
+        parser.error("--rounds goes with --sweep")
+    args.rounds = 3 if args.rounds is None else args.rounds
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be at least 1")
     args.skip = [x for x in args.skip.split(",") if x]
     unknown = [x for x in args.skip if x not in SUITE_SECTIONS]
     if unknown:
@@ -981,10 +1012,11 @@ def main(argv=None) -> int:
         lines = report_lines(result, table)
     elif args.sweep:
         table = Table(args.peak_tflops)
-        errors = sweep_rows(table, hp, args.sweep, args.repeats)
+        errors, rounds = sweep_rows(table, hp, args.sweep, args.repeats, args.rounds)
         result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": table.rows,
-                  "errors": errors}
-        lines = [f"Pallas tuning sweep: preset {preset}, {result['device']}, jax {jax.__version__}", *table.lines(),
+                  "rounds_ms": rounds, "errors": errors}
+        lines = [f"Pallas tuning sweep: preset {preset}, {result['device']}, jax {jax.__version__}; each row the median "
+                 f"of {args.rounds} rounds of {args.repeats} calls, every row timed once a round", *table.lines(),
                  *(f"FAILED {e['section']}: {e['error'].splitlines()[0][:300]}" for e in errors)]
     elif args.profile:
         tg.enable_compile_cache(args.compile_cache_dir)  # before anything compiles: JAX reads the setting once

@@ -283,7 +283,7 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
 def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
     out = tmp_path / "sweep.txt"
     assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2,"
-                       "head:128x128x128/8/3", "--repeats", "1", "--out", str(out)]) == 0
+                       "head:128x128x128/8/3", "--repeats", "1", "--rounds", "2", "--out", str(out)]) == 0
     table, line = out.read_text().rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     hp = bench.PRESETS["smoke"]
@@ -293,11 +293,23 @@ def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, caps
     assert result["errors"] == [] and all(row["ms"] > 0 and row["gflop"] > 0 for row in result["rows"].values())
     assert result["rows"]["pallas up:128x256x128/8/3"]["gflop"] == 2 * 128 * 96 * 384 / 1e9
     assert result["rows"]["pallas head:128x128x128/8/3"]["gflop"] == 2 * 128 * 96 * hp.padded_vocab / 1e9
+    # every row timed once in each of the 2 rounds (after everything compiled): its ms the rounds' median
+    assert set(result["rounds_ms"]) == set(result["rows"]) and "median of 2 rounds of 1 calls" in table
+    for name, row in result["rows"].items():
+        ms = result["rounds_ms"][name]
+        assert len(ms) == 2 and row["ms"] == pytest.approx(np.median(ms))
+        assert row["note"].endswith(f"; rounds {ms[0]:.2f}, {ms[1]:.2f} ms") and row["note"] in table
     for bad in ("fwd:100/8/2", "fwd:128/8", "attn:64/4/2", "dq:64/0/2", "up:128x256/8/3", "dpre:128x96x64/8/3",
                 "up:8x16x16/4/2"):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--sweep", bad])
         assert e.value.code == 2 and f"--sweep item {bad!r}" in capsys.readouterr().err
+    for argv, says in ((["--sweep", "fwd:64/8/2,dq:64/8/2,fwd:64/8/2"], "--sweep item 'fwd:64/8/2' is listed twice"),
+                       (["--sweep", "fwd:64/8/2", "--rounds", "0"], "--rounds 0: must be at least 1"),
+                       (["--suite", "--rounds", "2"], "--rounds goes with --sweep")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
 
 
 def test_the_model_rows_run_the_presets_mlp_and_head_kernels(monkeypatch):

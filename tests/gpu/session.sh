@@ -49,7 +49,8 @@
 #                   CACHE: the table in bench.txt; CACHE is the call's pallas cache (after short-pallas:
 #                   its programs loaded, not compiled again; the compile line says how many) (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
-#                   the record's last-stage chunk (attention and the MLP's), a row each, in sweep.txt
+#                   the record's last-stage chunk (attention and the MLP's), a row each, the median of
+#                   3 rounds (every row timed once a round), in sweep.txt
 #                   (default: SWEEP_DEFAULT below)                                        (limit 540 s)
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
