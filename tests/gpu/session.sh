@@ -13,11 +13,10 @@
 #                          # one H100 ran out of memory at stage 2's first step, since given 90% of it),
 #                          # then the last stage's step profiled without XLA's command buffers, which hid
 #                          # most kernels from the profile's tables (2026-11-27: 31-52% of the step in one)
-#   MLP=pallas HEAD=pallas XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/c BUDGET_S=130 \
-#   tests/gpu/session.sh profile-pallas; OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
-#                          # call 2 at once (status first; timeout_s 380): the same step with the Pallas
-#                          # GEMM kernels, kernel by kernel against call 1's; then the lane (211 s with 4
-#                          # processes on 2026-11-27)
+#   OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
+#                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40: 900 s
+#                          # of device time hold ~780 s of commands): the lane (211 s with 4 processes
+#                          # on 2026-11-27), its MLP and head cases after the fixes
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
