@@ -508,8 +508,8 @@ def test_the_whole_model_at_init_predicts_uniformly_and_gets_the_references_zero
     rng = np.random.default_rng(7)
     toks = rng.integers(0, 50256, 257)
     toks[0] = toks[100] = m.BOS
-    val = np.asarray(m.loss_fn(p, toks, hp, 900, training=False))
-    assert abs(val.mean() - math.log(50304)) < 0.02
+    # (the validation path's uniform predictions at init: every tiny run's step-0 validation, checked in
+    # test_records and test_distributed; its own program here would cost 12 s of CPU)
     train = np.asarray(m.loss_fn(p, toks, hp, 0, training=True))
     # per token: (1 + .5 + .25 + prefix .25 where the target has a prefix) x ln V, fewer MTP terms at the end
     prefixed = m.prefix_table(50304)[toks[1:201]] >= 0  # the prefix term counts where the target has one
