@@ -775,8 +775,7 @@ def parse_sweep(text: str) -> list:
                              f"and the head's GEMMs; TILE ROWSxCOLSxDEPTH, powers of two from 16, e.g. "
                              f"up:128x256x128/8/3)") from None
         if configs[-1] in configs[:-1]:
-            raise ValueError(f"--sweep item {item!r} is listed twice: its row would hide the other (--rounds times "
-                             f"every configuration again)")
+            raise ValueError(f"--sweep item {item!r} is listed twice: its row would hide the other")
     return configs
 
 
@@ -861,6 +860,9 @@ def sweep_rows(table, hp, configs, repeats, rounds):
             except Exception as e:  # noqa: BLE001
                 failed(name, e)
                 del times[name]
+                continue
+            # progress, kept if a later round dies or a time limit cuts the sweep
+            print(f"bench: {name} round {r + 1}: {times[name][-1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
     for name, compiled, args, row in rows:
         if name in times:
             spread = ", ".join(f"{t * 1e3:.2f}" for t in times[name])

@@ -312,6 +312,36 @@ def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, caps
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
 
 
+def test_the_sweep_compiles_everything_then_times_round_after_round(monkeypatch, capsys):
+    """Every configuration compiles before the first timing; each round times every row once, with a
+    warm-up call in the first round only; a row that fails in a later round is reported and left out,
+    the others go on. The compiles are real; the timing is a stand-in that records its calls."""
+    events, calls = [], {}
+    real_compile = bench.compile_timed
+    monkeypatch.setattr(bench, "compile_timed", lambda *a: events.append("compile") or real_compile(*a))
+
+    def timed(compiled, args, repeats, warm_up=True):
+        row = (id(compiled), str(args[-1]))  # a row: its program and its last argument (an attention window)
+        calls[row] = calls.get(row, 0) + 1
+        events.append((row, warm_up))
+        if row == next(iter(calls)) and calls[row] == 2:  # the first row fails in round 2
+            raise RuntimeError("planted failure in round 2")
+        return 1e-3
+
+    monkeypatch.setattr(bench, "seconds_per_call", timed)
+    table = bench.Table(989.0)
+    configs = bench.parse_sweep("fwd:64/8/2,up:128x256x128/8/3")
+    errors, rounds = bench.sweep_rows(table, bench.PRESETS["smoke"], configs, repeats=1, rounds=3)
+    assert events[:2] == ["compile", "compile"] and "compile" not in events[2:]
+    timings, rows = events[2:], 3  # fwd at the smoke preset's 2 windows, up
+    assert len(timings) == 3 * rows - 1  # the failed row timed twice, the others in all 3 rounds
+    assert [w for _, w in timings[:rows]] == [True] * rows and not any(w for _, w in timings[rows:])
+    assert [r for r, _ in timings[:rows]] == [r for r, _ in timings[rows:2 * rows]]  # round after round
+    assert len(errors) == 1 and "planted failure in round 2" in errors[0]["error"]
+    assert len(table.rows) == len(rounds) == rows - 1 and all(len(ms) == 3 for ms in rounds.values())
+    assert "round 3: 1.00 ms" in capsys.readouterr().err  # progress as each measurement ends
+
+
 def test_the_model_rows_run_the_presets_mlp_and_head_kernels(monkeypatch):
     """bench.py --mlp/--head reach the model's rows: sequence_loss (a stand-in here, cheap to compile;
     called as the real one can be) gets hp's choices, and the rows say them. (The real model's rows:

@@ -6,10 +6,12 @@
 # each piece's limit to what is left and skipping a piece when under 45 s are, and it packs what the
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
+# The compile caches below ("the call's") live for one run of this script, empty at its start and
+# removed at its end: a piece reuses only what an earlier piece of the same run compiled.
 #
-#   OUT=$OUT/a BUDGET_S=330 tests/gpu/session.sh short-pallas; XLA_FLAGS=--xla_gpu_enable_command_buffer= \
-#   OUT=$OUT/b BUDGET_S=200 tests/gpu/session.sh profile-pallas
-#                          # call 1 (timeout_s 560): the fused attention's short run to the end (2026-11-27
+#   OUT=$OUT/a BUDGET_S=310 tests/gpu/session.sh short-pallas; XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+#   OUT=$OUT/b BUDGET_S=190 tests/gpu/session.sh profile-pallas
+#                          # call 1 (timeout_s 530): the fused attention's short run to the end (2026-11-27
 #                          # one H100 ran out of memory at stage 2's first step, since given 90% of it),
 #                          # then the last stage's step profiled without XLA's command buffers, which hid
 #                          # most kernels from the profile's tables (2026-11-27: 31-52% of the step in one)
@@ -42,7 +44,7 @@
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
 #   profile-IMPL    python3 bench.py --profile TMP --attention IMPL: the last stage's train program
 #                   alone, its top device ops and source lines, in profile-IMPL.txt; after short-IMPL
-#                   (or crash-IMPL) in the same call it loads that program from the cache that piece
+#                   (or crash-IMPL) in the same session.sh run it loads that program from the cache that piece
 #                   filled, instead of compiling it again (its header says which)        (limit 300 s)
 #   bench           python3 bench.py --suite --profile TMP --attention pallas --compile-cache-dir
 #                   CACHE: the table in bench.txt; CACHE is the call's pallas cache (after short-pallas:
