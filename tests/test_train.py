@@ -149,6 +149,22 @@ def test_cache_hits_count_the_programs_loaded_from_the_persistent_cache():
     assert (cold.count, warm.count) == (0, 2)
 
 
+def test_the_compile_cache_keeps_xlas_autotuning_results_and_kernels():
+    """The XLA options every program of this process compiles with (conftest enabled the test run's cache
+    through enable_compile_cache): GPU autotuning results and XLA's kernel cache, both in the cache folder
+    (the kernel cache is off by JAX's default; it saves a changed program's unchanged kernels: README).
+    Read through JAX's own get_compile_options, which sets them from its config."""
+    from jax._src import compiler  # (no public API shows a program's debug options before it compiles)
+
+    # each object held in a name: the parts read from a temporary dangle (a segfault)
+    compile_options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    build_options = compile_options.executable_build_options
+    options = build_options.debug_options
+    cache = tg.jax.config.jax_compilation_cache_dir
+    assert cache and options.xla_gpu_per_fusion_autotune_cache_dir.startswith(cache)
+    assert options.xla_gpu_kernel_cache_file.startswith(cache)
+
+
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "too_many_steps",
                                   "records_dir", "vocab", "init_weights", "save_weights"])
 def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shards, tmp_path, capsys):
