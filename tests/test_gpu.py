@@ -1360,6 +1360,18 @@ if sys.argv[1] == "train_gpt.py":
     assert crash_env["CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION"] == "0"  # no host core of the process's tens of GB
     assert crash_env["XLA_FLAGS"] == f"--mine --xla_dump_to={dump}/xla --xla_dump_hlo_as_text"
 
+    # with GPU_SESSION_CACHES the caches are that folder's, made if missing and kept for a later run
+    calls.unlink()
+    kept = tmp_path / "kept" / "caches"
+    for pieces in (["short-pallas"], ["profile-pallas"]):
+        r = subprocess.run([script, *pieces], capture_output=True, text=True, timeout=60,
+                           env={**env, "PYTHON": str(stand_in), "GPU_SESSION_CACHES": str(kept)})
+        assert r.returncode == 0, r.stdout + r.stderr
+    argv = [json.loads(line)[0] for line in calls.read_text().splitlines()]
+    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "bench.py"]
+    assert [a[a.index("--compile-cache-dir") + 1] for a in argv[1:]] == [str(kept / "pallas")] * 2
+    assert (kept / "pallas" / "program").exists()
+
     # the lane: its cases side by side, each under a limit that ends before the piece's (the budget's)
     calls.unlink()
     r = subprocess.run([script, "lane"], capture_output=True, text=True, timeout=60,

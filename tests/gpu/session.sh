@@ -7,14 +7,18 @@
 # pieces wrote into one $OUT/pieces_DATE_TIME.tar.gz beside $OUT/session.txt (a call brings back at
 # most 8 files).
 # The compile caches below ("the call's") live for one run of this script, empty at its start and
-# removed at its end: a piece reuses only what an earlier piece of the same run compiled.
+# removed at its end: a piece reuses only what an earlier piece of the same run compiled. With
+# GPU_SESSION_CACHES=DIR they live in DIR instead, kept at the end, so that a later run with other
+# XLA_FLAGS (other programs, compiled again) finds XLA's autotuning results and kernels there.
 #
-#   OUT=$OUT/a BUDGET_S=310 tests/gpu/session.sh short-pallas; XLA_FLAGS=--xla_gpu_enable_command_buffer= \
-#   OUT=$OUT/b BUDGET_S=190 tests/gpu/session.sh profile-pallas
+#   C=$(mktemp -d); OUT=$OUT/a BUDGET_S=310 GPU_SESSION_CACHES=$C tests/gpu/session.sh short-pallas; \
+#   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/b BUDGET_S=190 GPU_SESSION_CACHES=$C \
+#   tests/gpu/session.sh profile-pallas
 #                          # call 1 (timeout_s 530): the fused attention's short run to the end (2026-11-27
 #                          # one H100 ran out of memory at stage 2's first step, since given 90% of it),
 #                          # then the last stage's step profiled without XLA's command buffers, which hid
-#                          # most kernels from the profile's tables (2026-11-27: 31-52% of the step in one)
+#                          # most kernels from the profile's tables (2026-11-27: 31-52% of the step in one);
+#                          # its program compiled again (other flags), with the short run's autotuning
 #   OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40: 900 s
 #                          # of device time hold ~780 s of commands): the lane (211 s with 4 processes
@@ -99,7 +103,8 @@ for p in "$@"; do  # every name checked before anything runs
     fi
 done
 RUN=$(mktemp -d "$OUT/run.XXXXXX")  # what this call's pieces write, packed at the end
-CACHES=$(mktemp -d)  # this call's compile caches, one per attention implementation, empty at first
+CACHES=${GPU_SESSION_CACHES:-$(mktemp -d)}  # this call's compile caches, one per attention implementation
+mkdir -p "$CACHES"
 status=0
 
 say() { echo "$*" | tee -a "$OUT/session.txt"; }
@@ -178,7 +183,7 @@ done
 # what this call's pieces wrote in one file (a device call brings back at most 8), under a new name
 pack=pieces_$(date -u +%Y%m%d_%H%M%S).tar.gz
 [ -e "$OUT/$pack" ] && pack=pieces_$(date -u +%Y%m%d_%H%M%S)_$$.tar.gz
-rm -rf "$CACHES"
+[ -n "${GPU_SESSION_CACHES:-}" ] || rm -rf "$CACHES"
 if tar -czf "$OUT/$pack" -C "$RUN" . && rm -rf "$RUN"; then
     say "== the pieces' output: $OUT/$pack ($(date -u +%H:%M:%S), ${SECONDS}s of BUDGET_S=${BUDGET_S})"
 else
