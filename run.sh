@@ -153,9 +153,10 @@ elif [ "$gpus" -gt 0 ]; then
 elif ! python data/cached_fineweb10B.py "$train_shards"; then
     cat <<'EOF'
 ################################################################################
-#  FineWeb could not be downloaded, and this machine has no GPU:                #
-#  training on SYNTHETIC shards (data/synthetic/) instead. Losses from this run #
-#  say nothing about FineWeb; they only show that the pipeline trains.          #
+#  FineWeb could not be downloaded (the error above says why, and how to get   #
+#  it), and this machine has no GPU: this run goes on, but it is training on   #
+#  SYNTHETIC shards (data/synthetic/). Its losses say nothing about FineWeb;   #
+#  they only show that the pipeline trains.                                    #
 ################################################################################
 EOF
     # synthetic.py writes the val shard last, so it marks a complete set. Without it, synthetic.py

@@ -360,7 +360,7 @@ def test_run_sh_hands_runs_to_the_driver_with_its_data_flags(tmp_path, fake):
                         templates, "--records-dir", records], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "training on SYNTHETIC shards" in r.stdout
+    assert "SYNTHETIC shards (data/synthetic/)" in r.stdout and "this run goes on" in r.stdout
     assert (f"argv: ['--train-files', 'data/synthetic/synthetic_train_*.bin', '--val-files', "
             f"'data/synthetic/synthetic_val_*.bin', '--templates', '{templates}', '--records-dir', '{records}', "
             f"'--seed', '4']") in r.stdout
