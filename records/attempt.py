@@ -79,6 +79,9 @@ def parse_args(argv):
     if not os.path.isfile(args.script):
         parser.error(f"--script {args.script}: no such file ({os.path.abspath(args.script)}); give the path of "
                      f"your copy of train_gpt.py")
+    if importlib.util.find_spec("jax") is None:  # the runs use this Python, and the script needs JAX
+        parser.error(f"this Python ({sys.executable}) has no jax, which {shown(args.script)} needs: run this in the "
+                     f"environment ./run.sh made (source .venv/bin/activate first), or as ./run.sh --runs N ...")
     if args.against:
         try:  # now rather than after N runs
             against = stats.expand(args.against, "--against")

@@ -256,6 +256,18 @@ def test_plot_is_checked_before_any_run(tmp_path, capsys, monkeypatch):
     assert attempt.main(["--runs", "2", "--plot", str(tmp_path / "a.png"), "--check"]) == 0  # extras here, folder too
 
 
+def test_a_python_without_jax_is_refused_before_any_run(capsys, monkeypatch):
+    """The verdict's command line and the README's say `python records/attempt.py`: outside the environment
+    run.sh made there is no jax, and the script's check would end in a traceback."""
+    real = attempt.importlib.util.find_spec
+    monkeypatch.setattr(attempt.importlib.util, "find_spec", lambda name, *a: None if name == "jax" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        attempt.main(["--runs", "2", "--check"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"this Python ({sys.executable}) has no jax" in err and "source .venv/bin/activate" in err
+
+
 # ---- run.sh --runs
 
 def repo_copy(tmp_path):
