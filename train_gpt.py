@@ -2440,8 +2440,8 @@ def log_header(log: RecordLog, hp: Hyperparameters, preset: str) -> None:
 
 def enable_compile_cache(cache_dir: str) -> None:
     """JAX's persistent compile cache in cache_dir, for every program however quick to compile, with XLA's
-    GEMM autotuning results and its kernel cache ("all"; JAX's default keeps the autotuning alone): an
-    edited copy of this script recompiles only the kernels its change touched (README, Hardware notes)."""
+    GEMM autotuning results and its kernel cache ("all"; JAX's default keeps the autotuning alone), where an
+    edited copy of this script finds the kernels it shares with earlier programs (README, Hardware notes)."""
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -261,6 +261,7 @@ def test_a_python_without_jax_is_refused_before_any_run(capsys, monkeypatch):
     run.sh made there is no jax, and the script's check would end in a traceback."""
     real = attempt.importlib.util.find_spec
     monkeypatch.setattr(attempt.importlib.util, "find_spec", lambda name, *a: None if name == "jax" else real(name, *a))
+    monkeypatch.setattr(attempt.subprocess, "run", lambda *a, **k: pytest.fail(f"started {a}"))  # no script check
     with pytest.raises(SystemExit) as e:
         attempt.main(["--runs", "2", "--check"])
     assert e.value.code == 2

@@ -1360,7 +1360,7 @@ if sys.argv[1] == "train_gpt.py":
     assert crash_env["CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION"] == "0"  # no host core of the process's tens of GB
     assert crash_env["XLA_FLAGS"] == f"--mine --xla_dump_to={dump}/xla --xla_dump_hlo_as_text"
 
-    # with GPU_SESSION_CACHES the caches are that folder's, made if missing and kept for a later run
+    # with GPU_SESSION_CACHES the caches are that folder's, kept for a later run, which finds them there
     calls.unlink()
     kept = tmp_path / "kept" / "caches"
     for pieces in (["short-pallas"], ["profile-pallas"]):

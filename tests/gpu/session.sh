@@ -8,8 +8,10 @@
 # most 8 files).
 # The compile caches below ("the call's") live for one run of this script, empty at its start and
 # removed at its end: a piece reuses only what an earlier piece of the same run compiled. With
-# GPU_SESSION_CACHES=DIR they live in DIR instead, kept at the end, so that a later run with other
-# XLA_FLAGS (other programs, compiled again) finds XLA's autotuning results and kernels there.
+# GPU_SESSION_CACHES=DIR (an absolute path: the script works from the repository root) they live in
+# DIR instead, kept at the end, so that a later run with other XLA_FLAGS (other programs, compiled
+# again) finds XLA's autotuning results and kernels there; "this call's cache" below is then DIR's,
+# empty only if DIR was.
 #
 #   C=$(mktemp -d); OUT=$OUT/a BUDGET_S=310 GPU_SESSION_CACHES=$C tests/gpu/session.sh short-pallas; \
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/b BUDGET_S=190 GPU_SESSION_CACHES=$C \
@@ -18,7 +20,8 @@
 #                          # one H100 ran out of memory at stage 2's first step, since given 90% of it),
 #                          # then the last stage's step profiled without XLA's command buffers, which hid
 #                          # most kernels from the profile's tables (2026-11-27: 31-52% of the step in one);
-#                          # its program compiled again (other flags), with the short run's autotuning
+#                          # its program compiled again (other flags) with the short run's autotuning
+#                          # results and kernels from $C
 #   OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40: 900 s
 #                          # of device time hold ~780 s of commands): the lane (211 s with 4 processes
@@ -48,7 +51,8 @@
 #   short-record20  the record-20 archive's short run: 30 steps, validation at the end    (limit 360 s)
 #   profile-IMPL    python3 bench.py --profile TMP --attention IMPL: the last stage's train program
 #                   alone, its top device ops and source lines, in profile-IMPL.txt; after short-IMPL
-#                   (or crash-IMPL) in the same session.sh run it loads that program from the cache that piece
+#                   (or crash-IMPL) in the same session.sh run, or in one before it with the same
+#                   GPU_SESSION_CACHES and XLA_FLAGS, it loads that program from the cache that piece
 #                   filled, instead of compiling it again (its header says which)        (limit 300 s)
 #   bench           python3 bench.py --suite --profile TMP --attention pallas --compile-cache-dir
 #                   CACHE: the table in bench.txt; CACHE is the call's pallas cache (after short-pallas:
@@ -104,7 +108,7 @@ for p in "$@"; do  # every name checked before anything runs
 done
 RUN=$(mktemp -d "$OUT/run.XXXXXX")  # what this call's pieces write, packed at the end
 CACHES=${GPU_SESSION_CACHES:-$(mktemp -d)}  # this call's compile caches, one per attention implementation
-mkdir -p "$CACHES"
+mkdir -p "$CACHES" || exit 2
 status=0
 
 say() { echo "$*" | tee -a "$OUT/session.txt"; }
