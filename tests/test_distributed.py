@@ -26,15 +26,37 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(tiny_args, records, devices, process_id=None, num_processes=None, port=None, **overrides):
+# Runs a script as `python -c SHARED_COMPILE script args...` would run it as `python script args...`, except
+# that the processes of a jax.distributed run compile each program once between them: with
+# jax_share_binary_between_hosts, process 0 compiles and hands the executable to the others through the
+# coordinator. JAX pairs the processes' programs by their persistent-cache key, which hashes the devices'
+# topology; on CPUs each process's topology holds only its own devices, so the keys differ and every
+# process would wait for a program that never comes. Here the key hashes the devices' kinds instead (JAX's
+# own fallback for backends without a topology). A process that traces another program than process 0's
+# keeps another key: it fails when the wait below runs out (2 minutes), as a test should.
+SHARED_COMPILE = """
+import runpy, sys
+from jax._src import cache_key
+cache_key._hash_accelerator_config = cache_key._hash_devices
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def launch(tiny_args, records, devices, process_id=None, num_processes=None, port=None, share_compile=False,
+           **overrides):
     """train_gpt.py with the tiny flags on `devices` CPU devices; with process_id, one of
-    num_processes processes of a jax.distributed run."""
+    num_processes processes of a jax.distributed run; with share_compile, its processes compile once
+    (SHARED_COMPILE; needs the persistent cache on)."""
     args = tiny_args(records, **overrides)
     if process_id is not None:
         args += ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
                  "--process-id", str(process_id)]
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"), *args], cwd=ROOT,
-                            env=host_devices_env(devices),
+    env, python = host_devices_env(devices), [sys.executable]
+    if share_compile:
+        env.update(JAX_SHARE_BINARY_BETWEEN_HOSTS="true", JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS="120000")
+        python.extend(["-c", SHARED_COMPILE])
+    return subprocess.Popen([*python, os.path.join(ROOT, "train_gpt.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -49,13 +71,14 @@ def test_one_device_and_two_processes_of_four_devices_train_the_same(request, ti
     """The tiny run (conftest's attempt, seed 0: one device scanning the step's 8 chunks) against the
     same flags on 2 processes of 4 devices (8 devices, a chunk each, gradients summed across devices
     and processes): the same val curve at every validation. Only the order of float sums differs,
-    which bf16 activations amplify a little. The pair compiles cold, both processes alike: with the
-    shared cache process 0 would load its programs at once (on CPUs the other process's cache keys
-    differ) and wait for process 1 at the first collective longer than gloo's 30-second rendezvous
-    allows. The attempt is asked for only once the pair has finished: if the other worker is still
-    making it, this one trains meanwhile instead of waiting for it."""
+    which bf16 activations amplify a little. The pair compiles its programs once, in process 0
+    (SHARED_COMPILE: 31 s of CPU less than a compile in each), into a cache of its own, which both
+    processes miss alike (one that found the program there while the other did not would wait for a
+    hand-over that never comes). The attempt is asked for only once the pair has finished: if the
+    other worker is still making it, this one trains meanwhile instead of waiting for it."""
     port = free_port()
-    procs = [launch(tiny_args, tmp_path / "two", 4, i, 2, port, **{"--compile-cache-dir": ""}) for i in range(2)]
+    procs = [launch(tiny_args, tmp_path / "two", 4, i, 2, port, share_compile=True,
+                    **{"--compile-cache-dir": tmp_path / "cache"}) for i in range(2)]
     outs = [finish(p) for p in procs]
     tiny_attempt = request.getfixturevalue("tiny_attempt")
     (two_log,) = (tmp_path / "two").iterdir()  # only process 0 writes a log
@@ -112,12 +135,17 @@ def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_p
     port = free_port()
     procs = [launch(tiny_args, tmp_path / "r", 4, i, 2, port, **{"--heartbeat-timeout": 10}) for i in range(2)]
     try:
+        # anywhere in a line: gloo's threads print theirs in pieces, which ours may land between (measured:
+        # "[Gloo] Rank 0 is connected to checking shards and flags ...", 1 pair in 12 beside two busy-loops)
+        seen = []
         for line in procs[0].stdout:
-            if line.startswith("checking shards"):
+            seen.append(line)
+            if "checking shards" in line:
                 break
         else:
             err = procs[0].stderr.read()[-3000:]  # (exit code -9 with nothing on stderr: the kernel's OOM killer)
-            pytest.fail(f"process 0 ended (exit code {procs[0].wait()}) before checking shards: {err}")
+            pytest.fail(f"process 0 ended (exit code {procs[0].wait()}) before checking shards: {err}\n"
+                        f"its output: {''.join(seen)[-3000:]}")
         procs[1].send_signal(signal.SIGKILL)
         start = time.time()
         procs[0].communicate(timeout=120)  # reads its pipes: a full pipe cannot hold it up
