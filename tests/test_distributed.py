@@ -66,7 +66,7 @@ def finish(proc, timeout=600):
     return out
 
 
-@pytest.mark.heavy(3)
+@pytest.mark.heavy(4)
 def test_one_device_and_two_processes_of_four_devices_train_the_same(request, tiny_args, tmp_path):
     """The tiny run (conftest's attempt, seed 0: one device scanning the step's 8 chunks) against the
     same flags on 2 processes of 4 devices (8 devices, a chunk each, gradients summed across devices

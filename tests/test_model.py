@@ -501,7 +501,7 @@ def test_prefix_table_is_the_longest_proper_prefix_token():
     assert table[ranks[b" the"]] == ranks[b" th"]
 
 
-@pytest.mark.heavy(4)
+@pytest.mark.heavy(3)
 def test_the_whole_model_at_init_predicts_uniformly_and_gets_the_references_zero_gradients():
     hp = SMALL
     p = m.init_params(hp, seed=1)

@@ -338,11 +338,16 @@ def test_each_device_keeps_its_adam_gradients_until_an_odd_step_exchanges_them()
             continue
         # Adam's first step from fresh moments: exp_avg = (1 - b1) x the gradient it was given, whose sums
         # (three bf16 roundings of values up to ~8 either way) differ by a few 2^-9 steps; Adam's sign-like
-        # first update may then flip where a gradient is near zero, so the parameters agree almost everywhere
+        # first update may then flip where a gradient is within that of zero, and only there may the
+        # parameters differ by more than a bf16 step (the test asked "95% within a step" before, which one
+        # flip among smear_gate's 12 entries failed: 42 of 6,000 draws, 2026-11-27; this, none)
         b1 = tg.PARAM_TABLE[n]["betas"][0]
-        np.testing.assert_allclose(f64(state["adam"][n]["exp_avg"]), f64(whole_state["adam"][n]["exp_avg"]),
-                                   rtol=0, atol=0.1 * (1 - b1), err_msg=n)
-        assert np.mean(bf16_steps(f64(local[n]), f64(whole[n])) <= 1) > 0.95, n
+        rounding = 0.1 * (1 - b1)
+        m_local, m_whole = f64(state["adam"][n]["exp_avg"]), f64(whole_state["adam"][n]["exp_avg"])
+        np.testing.assert_allclose(m_local, m_whole, rtol=0, atol=rounding, err_msg=n)
+        apart = bf16_steps(f64(local[n]), f64(whole[n])) > 1
+        assert np.all(np.abs(m_whole[apart]) <= rounding), (n, m_whole[apart])
+        assert np.mean(apart) < 0.1, n  # |gradient| <= 0.1 holds for 8% of standard normal draws
     np.testing.assert_array_equal(f64(local["embed.weight"]), f64(local["lm_head.weight"]).T)
 
 
