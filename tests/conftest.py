@@ -99,8 +99,8 @@ def pytest_collection_modifyitems(items):
     then one at a time as they free up: the shared attempt (rank 1) and the dead-process pair (2) go to
     one worker, the whole model (3) and the two-process run (4) to the other: the pair needs the
     attempt's log when it ends, so it starts second, to end about when the attempt does instead of
-    waiting for it; the bench suite (6) loads the attempt's programs, so it
-    comes after the attempt is made."""
+    waiting for it; the bench suite (6) loads the attempt's programs, so it comes after the attempt
+    is made."""
     def rank(item):  # a heavy test without a rank after the ranked ones
         heavy = item.get_closest_marker("heavy")
         return (0, heavy.args[0] if heavy.args else math.inf) if heavy else (1, 0)
