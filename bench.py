@@ -28,7 +28,9 @@ The suite measures
   memory      peak device memory after the train steps (device memory_stats; n/a on CPU) and XLA's
               buffer-assignment peak of the last stage's compiled program;
   profile     with --profile DIR: a jax.profiler trace of a few train steps of the last stage, the
-              top 15 device ops by self time (on CPU the XLA:CPU thunks) and the 20 source lines of
+              top 15 device ops by exclusive time (on CPU the XLA:CPU thunks; each moment the device
+              runs ops goes to the innermost ones, shared where several run at once, so the ops' times
+              add up to the time the device is busy) and the 20 source lines of
               train_gpt.py with the most device time (each op's under the innermost two frames of
               its HLO metadata, as tests/gpu/aot.py's static estimate ranks them; a kernel run
               inside a command buffer, by its own name: XLA names a kernel after its fusion, and one
@@ -518,25 +520,29 @@ def device_op_events(events: list) -> list:
     return [e for e in on_device if lines.get((e["pid"], e["tid"])) not in DERIVED_LINES]
 
 
-def self_times(events: list) -> list:
-    """(event, its duration minus that of the events nested inside it on the same line), e.g. a while
-    loop's own time without its body's ops."""
-    by_line = defaultdict(list)
-    for e in events:
-        by_line[(e["pid"], e["tid"])].append(e)
-    out = []
-    for line in by_line.values():
-        line.sort(key=lambda e: (e["ts"], -e["dur"]))
-        own = [e["dur"] for e in line]
-        open_events = []  # (end, index) of the events enclosing the current one
-        for i, e in enumerate(line):
-            while open_events and open_events[-1][0] <= e["ts"]:
-                open_events.pop()
-            if open_events:
-                own[open_events[-1][1]] -= e["dur"]
-            open_events.append((e["ts"] + e["dur"], i))
-        out += [(e, max(t, 0.0)) for e, t in zip(line, own)]
-    return out
+def exclusive_times(events: list) -> list:
+    """(event, its exclusive time): each moment the device runs an op goes to the innermost ops
+    running then (those enclosing no other running op: a while loop's own time excludes its body's
+    ops), shared equally where several run at once (concurrent kernels, whose spans may overlap in
+    part). So the times add up to the time at least one op runs, with nothing counted twice or lost."""
+    def key(i):
+        return events[i]["ts"], -events[i]["dur"], i
+    def encloses(i, j):  # i's span holds j's (identical spans: the first listed holds the other)
+        return (events[i]["ts"] <= events[j]["ts"] and events[j]["ts"] + events[j]["dur"] <= events[i]["ts"]
+                + events[i]["dur"] and key(i) < key(j))
+    starts = sorted(range(len(events)), key=key)
+    bounds = sorted({t for e in events for t in (e["ts"], e["ts"] + e["dur"])})
+    own, active, nxt = [0.0] * len(events), [], 0
+    for t0, t1 in zip(bounds, bounds[1:]):
+        active = [i for i in active if events[i]["ts"] + events[i]["dur"] > t0]
+        while nxt < len(starts) and events[starts[nxt]]["ts"] <= t0:
+            if events[starts[nxt]]["dur"] > 0:
+                active.append(starts[nxt])
+            nxt += 1
+        leaves = [i for i in active if not any(j != i and encloses(i, j) for j in active)]
+        for i in leaves:
+            own[i] += (t1 - t0) / len(leaves)
+    return list(zip(events, own))
 
 
 def source_of(text: str):
@@ -563,7 +569,8 @@ def source_of(text: str):
 
 
 def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = "", k: int = TOP_OPS) -> dict:
-    """The k device ops with the most self time: count and ms per step, % of the profiled step time."""
+    """The k device ops with the most exclusive time (exclusive_times): count and ms per step of one device
+    (the mean over the trace's devices), % of the profiled step time."""
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     jax_names = dict(HLO_OP_NAME.findall(hlo_text))
@@ -577,35 +584,44 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
         return op if op in sources else by_kernel.get(e["name"], op)
 
     device_events = device_op_events(events)
-    total_us, count, kernel = defaultdict(float), defaultdict(int), {}
-    for e, own_us in self_times(device_events):
-        op = op_of(e)
-        total_us[op] += own_us
-        count[op] += 1
-        kernel.setdefault(op, e["name"])
+    by_device = defaultdict(list)
+    for e in device_events:
+        by_device[e["pid"]].append(e)
+    per = steps * max(len(by_device), 1)  # figures per step of one device (the mean over the devices)
+    total_us, count, kernel, gaps, span_us = defaultdict(float), defaultdict(int), {}, [], 0.0
+    for dev in by_device.values():
+        for e, own_us in exclusive_times(dev):
+            op = op_of(e)
+            total_us[op] += own_us
+            count[op] += 1
+            kernel.setdefault(op, e["name"])
+        gaps += idle_gaps(dev)
+        span_us += max(e["ts"] + e["dur"] for e in dev) - min(e["ts"] for e in dev)
     ops = [{"op": op, "kernel": kernel[op] if kernel[op] != op else None, "jax_op": jax_names.get(op),
-            "count": count[op] / steps, "ms": total_us[op] / 1e3 / steps,
-            "pct_of_step": 100 * total_us[op] / 1e3 / steps / step_ms}
+            "count": count[op] / per, "ms": total_us[op] / 1e3 / per,
+            "pct_of_step": 100 * total_us[op] / 1e3 / per / step_ms}
            for op in sorted(total_us, key=total_us.get, reverse=True)[:k]]
     by_source, source_count = defaultdict(float), defaultdict(int)  # every op's time under its source line
     for op, us in total_us.items():
         source = sources.get(op, "?")
         by_source[source] += us
         source_count[source] += count[op]
-    lines = [{"source": s, "count": source_count[s] / steps, "ms": by_source[s] / 1e3 / steps,
-              "pct_of_step": 100 * by_source[s] / 1e3 / steps / step_ms}
+    lines = [{"source": s, "count": source_count[s] / per, "ms": by_source[s] / 1e3 / per,
+              "pct_of_step": 100 * by_source[s] / 1e3 / per / step_ms}
              for s in sorted(by_source, key=by_source.get, reverse=True)[:TOP_SOURCES]]
-    busy_ms = sum(total_us.values()) / 1e3 / steps
+    busy_ms = sum(total_us.values()) / 1e3 / per
     def named(e):  # "op (source line)"
         return f"{op_of(e)} ({sources.get(op_of(e), '?')})"
 
-    gaps = [{**gap, "after": named(gap["after"]), "before": named(gap["before"])} for gap in idle_gaps(device_events)]
-    idle = {"ops_per_step": sum(count.values()) / steps,
-            "ms_per_step": sum(g["us"] for g in gaps) / 1e3 / steps,
-            "by_size": [{"gaps": name, "count": sum(lo <= g["us"] < hi for g in gaps) / steps,
-                         "ms": sum(g["us"] for g in gaps if lo <= g["us"] < hi) / 1e3 / steps}
+    gaps = [{**gap, "after": named(gap["after"]), "before": named(gap["before"])} for gap in gaps]
+    idle_ms = sum(g["us"] for g in gaps) / 1e3 / per
+    idle = {"ops_per_step": sum(count.values()) / per, "ms_per_step": idle_ms,
+            "by_size": [{"gaps": name, "count": sum(lo <= g["us"] < hi for g in gaps) / per,
+                         "ms": sum(g["us"] for g in gaps if lo <= g["us"] < hi) / 1e3 / per}
                         for name, lo, hi in GAP_SIZES],
-            "longest": sorted(gaps, key=lambda g: -g["us"])[:TOP_GAPS]}
+            "longest": sorted(gaps, key=lambda g: -g["us"])[:TOP_GAPS],
+            # the step's time outside the device's first op .. last op: the host's first launch and last read-back
+            "outside_ms_per_step": step_ms - span_us / 1e3 / per}
     return {"trace": trace_path, "steps": steps, "step_ms": step_ms, "device_busy_ms": busy_ms,
             "device_busy_pct": 100 * busy_ms / step_ms, "top_ops": ops, "top_sources": lines, "idle": idle}
 
@@ -634,18 +650,19 @@ def short_op_name(op_name: str, width: int = 70) -> str:
 
 
 def profile_lines(profile: dict) -> list:
-    out = [f"profile: {profile['steps']} train steps, {profile['step_ms']:.1f} ms/step under the profiler; device ops "
-           f"{profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}% of the step, more where ops "
-           f"overlap); trace {profile['trace']}",
+    idle = profile["idle"]
+    out = [f"profile: {profile['steps']} train steps, {profile['step_ms']:.1f} ms/step under the profiler; the device "
+           f"busy {profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}% of the step: the time some op "
+           f"runs), idle between ops {idle['ms_per_step']:.1f}, outside its first op .. last "
+           f"{idle['outside_ms_per_step']:.1f}; trace {profile['trace']}",
            f"{'op':<36}{'count':>8}{'ms':>10}{'% step':>8}  jax op (or kernel)"]
     for op in profile["top_ops"]:
         where = short_op_name(op["jax_op"]) if op["jax_op"] else (op["kernel"] or "")[:70]
         out.append(f"{op['op'][:36]:<36}{op['count']:>8.4g}{op['ms']:>10.2f}{op['pct_of_step']:>8.1f}  {where}")
-    out += ["", "every device op's self time by its source line (tests/gpu/aot.py's estimate ranks the same lines)",
+    out += ["", "every device op's exclusive time by its source line (tests/gpu/aot.py's estimate ranks the same lines)",
             f"{'ms':>10}{'% step':>8}{'ops':>8}  source (function:line < caller:line)"]
     for line in profile["top_sources"]:
         out.append(f"{line['ms']:>10.2f}{line['pct_of_step']:>8.1f}{line['count']:>8.4g}  {line['source']}")
-    idle = profile["idle"]
     sizes = ", ".join(f"{b['gaps']} {b['count']:.4g} ({b['ms']:.1f} ms)" for b in idle["by_size"])
     out += ["", f"the device idle between ops: {idle['ms_per_step']:.1f} ms/step over {idle['ops_per_step']:.0f} "
             f"ops/step; gaps a step by length: {sizes}"]

@@ -115,6 +115,64 @@ def test_top_ops_on_cpu_take_thunks_and_subtract_nested_ops(tmp_path):
     assert profile["device_busy_ms"] == pytest.approx(0.094)
 
 
+def test_ops_running_at_once_share_the_time_and_none_is_lost(tmp_path):
+    """Kernels whose spans overlap in part (concurrent kernels on the trace's one 'XLA Ops' line): a chain
+    0-10, 5-15, 12-20 us keeps the device busy 20 us, shared where two run (nesting them, as the profile
+    did before, left 10 us of 20 and no gap to explain the rest). Two devices: figures per device."""
+    events = [meta(2, process="/device:GPU:0"), meta(2, 1, thread="XLA Ops"),
+              op(2, 1, "fusion.1", 0, 10), op(2, 1, "fusion.2", 5, 10), op(2, 1, "fusion.3", 12, 8)]
+    path = tmp_path / "gpu.trace.json.gz"
+    write_trace(path, events)
+    profile = bench.top_device_ops(str(path), steps=1, step_ms=0.025)
+    assert {r["op"]: r["ms"] for r in profile["top_ops"]} == {
+        "fusion.1": pytest.approx(0.0075), "fusion.2": pytest.approx(0.006), "fusion.3": pytest.approx(0.0065)}
+    assert profile["device_busy_ms"] == pytest.approx(0.020) and profile["device_busy_pct"] == pytest.approx(80.0)
+    assert profile["idle"]["ms_per_step"] == 0 and profile["idle"]["outside_ms_per_step"] == pytest.approx(0.005)
+
+    twice = events + [meta(3, process="/device:GPU:1"), meta(3, 1, thread="XLA Ops")] + [
+        {**e, "pid": 3, "ts": e["ts"] + 7} for e in events if e["ph"] == "X"]
+    write_trace(path, twice)
+    both = bench.top_device_ops(str(path), steps=1, step_ms=0.025)
+    assert [(r["op"], r["count"], r["ms"]) for r in both["top_ops"]] == [
+        (r["op"], r["count"], pytest.approx(r["ms"])) for r in profile["top_ops"]]
+    assert both["device_busy_ms"] == pytest.approx(0.020) and both["idle"]["ops_per_step"] == 3
+
+
+def test_exclusive_times_match_a_microsecond_grid(tmp_path):
+    """Random ops on three lines, nested and overlapping in part: each op's exclusive time against a
+    microsecond grid (each microsecond shared by the running ops that hold no other running op), their
+    sum the device's busy time, and busy + idle + outside the first .. last op = the step."""
+    rng = np.random.default_rng()
+    spans = set()
+    while len(spans) < 80:
+        ts, dur = int(rng.integers(0, 5_000)), int(rng.integers(1, 300))
+        spans.add((ts, dur))
+        if rng.random() < 0.3:  # an op inside it (distinct spans: which of two equal spans holds the other is a convention)
+            spans.add((ts + int(rng.integers(0, dur)), max(1, int(rng.integers(0, dur)) // 2)))
+    spans = sorted(spans)
+    events = [meta(2, process="/device:GPU:0")] + [meta(2, t, thread=f"Stream #{t}") for t in (1, 2, 3)]
+    events += [op(2, int(rng.integers(1, 4)), f"fusion.{i}", ts, dur) for i, (ts, dur) in enumerate(spans)]
+    start, end = min(ts for ts, _ in spans), max(ts + dur for ts, dur in spans)
+    expected, busy = np.zeros(len(spans)), 0
+    for us in range(start, end):
+        running = [i for i, (ts, dur) in enumerate(spans) if ts <= us < ts + dur]
+        holds = lambda i, j: spans[i][0] <= spans[j][0] and sum(spans[j]) <= sum(spans[i]) and i != j  # noqa: E731
+        innermost = [i for i in running if not any(holds(i, j) for j in running)]
+        for i in innermost:
+            expected[i] += 1 / len(innermost)
+        busy += bool(running)
+    path = tmp_path / "gpu.trace.json.gz"
+    write_trace(path, events)
+    step_ms = (end - start) / 1e3 + 0.5
+    profile = bench.top_device_ops(str(path), steps=1, step_ms=step_ms, k=len(spans))
+    assert {r["op"]: r["ms"] for r in profile["top_ops"]} == {
+        f"fusion.{i}": pytest.approx(us / 1e3, abs=1e-12) for i, us in enumerate(expected)}
+    assert profile["device_busy_ms"] == pytest.approx(busy / 1e3)
+    idle = profile["idle"]
+    assert profile["device_busy_ms"] + idle["ms_per_step"] + idle["outside_ms_per_step"] == pytest.approx(step_ms)
+    assert idle["outside_ms_per_step"] == pytest.approx(0.5)
+
+
 def test_top_ops_on_a_gpu_read_device_lines_only(tmp_path):
     """Device processes only (not the host's launch events), without the derived 'XLA Modules' line."""
     events = [meta(1, process="/host:CPU"), meta(2, process="/device:GPU:0"), meta(2, 1, thread="Stream #7(Compute)"),
@@ -154,7 +212,7 @@ StackFrames
 
 
 def test_device_time_is_summed_by_source_line(tmp_path):
-    """Every op's self time under its instruction's innermost two frames, ranked; ops without a frame
+    """Every op's exclusive time under its instruction's innermost two frames, ranked; ops without a frame
     under '?'; the lines' times add up to the device's busy time."""
     hlo = "\n".join(f'  %{name} = f32[2]{{0}} fusion(%p), kind=kLoop, metadata={{op_name="x" stack_frame_id={frame}}}'
                     for name, frame in (("fusion.1", 2), ("gemm.2", 2), ("fusion.3", 3))) + "\n" + FRAMES
