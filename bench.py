@@ -34,8 +34,9 @@ The suite measures
               train_gpt.py with the most device time (each op's under the innermost two frames of
               its HLO metadata, as tests/gpu/aot.py's static estimate ranks them; a kernel run
               inside a command buffer, by its own name: XLA names a kernel after its fusion, and one
-              kernel serving identical fusions counts under the first's line), and the device's idle
-              time between ops by gap length with its 5 longest gaps and their neighbours. Without
+              kernel serving identical fusions counts under the first's line; a Pallas kernel under
+              its calls' lines), and the device's idle time between ops by gap length with its 5
+              longest gaps and their neighbours. Without
               --suite, only this, of that program compiled alone (or, with --compile-cache-dir, loaded
               from where a train_gpt.py run of the same shapes and attention compiled it); --stage K
               profiles stage K's program instead of the last one.
@@ -480,6 +481,10 @@ DERIVED_LINES = {"XLA Modules", "Steps", "Framework Ops", "Framework Name Scope"
 HLO_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]+)"', re.M)
 HLO_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = ', re.M)
 HLO_OP_FRAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?(stack_frame_id=\d+)', re.M)
+# a Triton custom call (train_gpt's Pallas kernels on a GPU) and its kernel's name: the last `name = "..."` of
+# the line, in the backend config after the kernel's IR
+TRITON_CALL = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?custom_call_target="__gpu\$xla\.gpu\.triton".*\bname = "([^"]+)"',
+                         re.M)
 
 
 def profile_rows(train_state, trace_dir):
@@ -576,12 +581,25 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
     jax_names = dict(HLO_OP_NAME.findall(hlo_text))
     where = source_of(hlo_text)
     sources = {op: where(frame) for op, frame in HLO_OP_FRAME.findall(hlo_text)}
-    # XLA names a fusion's kernel after it, '.' and '-' made '_'; inside a command buffer the event's
-    # hlo_op is the buffer's, so the kernel's name is what says which fusion ran
+    # Inside a command buffer the event's hlo_op is the buffer's, so the kernel's name says what ran: XLA
+    # names a fusion's kernel after it ('.' and '-' made '_'), a Triton custom call's (a Pallas kernel's)
+    # after the call's name, and appends '__N' to a second kernel of a name. Calls of one Pallas kernel
+    # whose kernels differ (other shapes) cannot be told apart by name: such a kernel is a row of its own,
+    # under the source lines of all the calls of its name.
     by_kernel = {re.sub(r"[.-]", "_", name): name for name in HLO_INSTRUCTION.findall(hlo_text)}
+    calls_of = defaultdict(list)
+    for call, kernel_name in TRITON_CALL.findall(hlo_text):
+        calls_of[kernel_name].append(call)
     def op_of(e):
         op = e.get("args", {}).get("hlo_op") or e["name"]
-        return op if op in sources else by_kernel.get(e["name"], op)
+        if op in sources:
+            return op
+        base = re.sub(r"__\d+$", "", e["name"])
+        if base in calls_of:
+            sources.setdefault(e["name"], " | ".join(sorted({sources.get(c, "?") for c in calls_of[base]})))
+            jax_names.setdefault(e["name"], jax_names.get(calls_of[base][0]))
+            return e["name"]
+        return by_kernel.get(e["name"]) or by_kernel.get(base, op)
 
     device_events = device_op_events(events)
     by_device = defaultdict(list)

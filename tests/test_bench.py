@@ -254,6 +254,32 @@ def test_kernels_inside_a_command_buffer_count_under_their_fusions(tmp_path):
         ("mlp:12 < loss:30", pytest.approx(0.1)), ("norm:7 < loss:30", pytest.approx(0.02)), ("?", pytest.approx(0.005))]
 
 
+def test_pallas_kernels_and_renamed_kernels_inside_a_command_buffer_are_named(tmp_path):
+    """A Pallas kernel (a Triton custom call) is named after the call's `name`, a second kernel of a name
+    gets '__N': each such kernel is a row under the lines of every call of its name (the name is the
+    backend config's, not one escaped in the kernel's IR); a fusion's second kernel ('__N') counts under the fusion."""
+    triton = ('  %{call} = bf16[8]{{0}} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name='
+              '"jit(f)/attention_fwd/pallas_call" stack_frame_id={frame}}}, backend_config={{ir = "ML\\EFR, name = '
+              '\\22x\\22", name = "attention_fwd", num_stages = 2 : i32, num_warps = 8 : i32}}\n')
+    hlo = ('  %loop-fusion.7 = f32[2]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(f)/mul" stack_frame_id=3}\n'
+           + triton.format(call="pallas_call.4", frame=2) + triton.format(call="pallas_call.5", frame=3) + FRAMES)
+    events = [meta(2, process="/device:GPU:0"), meta(2, 1, thread="XLA Ops"),
+              op(2, 1, "attention_fwd", 0, 50, hlo_op="command_buffer_3"),
+              op(2, 1, "attention_fwd__1", 60, 30, hlo_op="command_buffer_3"),
+              op(2, 1, "loop_fusion_7__1", 100, 10, hlo_op="command_buffer_3"),
+              op(2, 1, "attention_fwd", 120, 20, hlo_op="pallas_call.5")]  # outside a buffer: its own call
+    path = tmp_path / "gpu.trace.json.gz"
+    write_trace(path, events)
+    profile = bench.top_device_ops(str(path), steps=1, step_ms=0.2, hlo_text=hlo)
+    assert [(r["op"], r["jax_op"], r["ms"]) for r in profile["top_ops"]] == [
+        ("attention_fwd", "jit(f)/attention_fwd/pallas_call", pytest.approx(0.05)),
+        ("attention_fwd__1", "jit(f)/attention_fwd/pallas_call", pytest.approx(0.03)),
+        ("pallas_call.5", "jit(f)/attention_fwd/pallas_call", pytest.approx(0.02)),
+        ("loop-fusion.7", "jit(f)/mul", pytest.approx(0.01))]
+    assert [(r["source"], r["ms"]) for r in profile["top_sources"]] == [
+        ("mlp:12 < loss:30 | norm:7 < loss:30", pytest.approx(0.08)), ("norm:7 < loss:30", pytest.approx(0.03))]
+
+
 def test_idle_time_is_the_time_no_device_op_runs_with_the_longest_gaps_named(tmp_path):
     """Random ops on two streams, some nested (a loop and its body): the idle time and its gaps against a
     microsecond grid; the longest gap's neighbours by their op and source line."""
