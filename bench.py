@@ -483,8 +483,8 @@ HLO_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = ', re.M)
 HLO_OP_FRAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?(stack_frame_id=\d+)', re.M)
 # a Triton custom call (train_gpt's Pallas kernels on a GPU) and its kernel's name: the last `name = "..."` of
 # the line, in the backend config after the kernel's IR
-TRITON_CALL = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?custom_call_target="__gpu\$xla\.gpu\.triton".*\bname = "([^"]+)"',
-                         re.M)
+TRITON_CALL = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?custom_call_target="__gpu\$xla\.gpu\.triton"'
+                         r'.*\bname = "([^"]+)"', re.M)
 
 
 def profile_rows(train_state, trace_dir):
@@ -670,14 +670,15 @@ def short_op_name(op_name: str, width: int = 70) -> str:
 def profile_lines(profile: dict) -> list:
     idle = profile["idle"]
     out = [f"profile: {profile['steps']} train steps, {profile['step_ms']:.1f} ms/step under the profiler; the device "
-           f"busy {profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}% of the step: the time some op "
-           f"runs), idle between ops {idle['ms_per_step']:.1f}, outside its first op .. last "
+           f"busy {profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}% of the step: the time some "
+           f"op runs), idle between ops {idle['ms_per_step']:.1f}, outside its first op .. last "
            f"{idle['outside_ms_per_step']:.1f}; trace {profile['trace']}",
            f"{'op':<36}{'count':>8}{'ms':>10}{'% step':>8}  jax op (or kernel)"]
     for op in profile["top_ops"]:
         where = short_op_name(op["jax_op"]) if op["jax_op"] else (op["kernel"] or "")[:70]
         out.append(f"{op['op'][:36]:<36}{op['count']:>8.4g}{op['ms']:>10.2f}{op['pct_of_step']:>8.1f}  {where}")
-    out += ["", "every device op's exclusive time by its source line (tests/gpu/aot.py's estimate ranks the same lines)",
+    out += ["", "every device op's exclusive time by its source line (tests/gpu/aot.py's estimate ranks the same "
+            "lines)",
             f"{'ms':>10}{'% step':>8}{'ops':>8}  source (function:line < caller:line)"]
     for line in profile["top_sources"]:
         out.append(f"{line['ms']:>10.2f}{line['pct_of_step']:>8.1f}{line['count']:>8.4g}  {line['source']}")
