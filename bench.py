@@ -670,8 +670,8 @@ def short_op_name(op_name: str, width: int = 70) -> str:
 def profile_lines(profile: dict) -> list:
     idle = profile["idle"]
     out = [f"profile: {profile['steps']} train steps, {profile['step_ms']:.1f} ms/step under the profiler; the device "
-           f"busy {profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}% of the step: the time some "
-           f"op runs), idle between ops {idle['ms_per_step']:.1f}, outside its first op .. last "
+           f"busy {profile['device_busy_ms']:.1f} ms/step ({profile['device_busy_pct']:.0f}% of the step: the time "
+           f"some op runs), idle between ops {idle['ms_per_step']:.1f}, outside its first op .. last "
            f"{idle['outside_ms_per_step']:.1f}; trace {profile['trace']}",
            f"{'op':<36}{'count':>8}{'ms':>10}{'% step':>8}  jax op (or kernel)"]
     for op in profile["top_ops"]:
