@@ -175,6 +175,26 @@ def timing_lines(a, b) -> list:
     return lines
 
 
+def stage_lines(a, b) -> list:
+    """Step time by stage (RunLog.stage_step_ms) side by side: the stages' pace without the steps that
+    carry a program's first run or a validation; [] when neither log says its stages (PyTorch's)."""
+    rows = {label: run.stage_step_ms() for label, run in (("A", a), ("B", b))}
+    lines = []
+    for k in range(max(map(len, rows.values()))):
+        cells, ms = [], {}
+        for label in ("A", "B"):
+            row = rows[label][k] if k < len(rows[label]) else None
+            ms[label] = row and row["ms"]
+            n = len(row["steps"]) if ms[label] else 0
+            cells.append(f"{label} " + (f"{row['ms']:10.2f} ms {row['tokens_per_s']:9.0f} tokens/s ({n} step"
+                                        f"{'s' * (n > 1)})" if n else f"{'n/a':>10}" + " " * 32))
+        line = f"stage {k:<11} " + "   ".join(cells)
+        if ms["A"] and ms["B"]:
+            line += f"   B-A {ms['B'] - ms['A']:+.2f} ms ({(ms['B'] - ms['A']) / ms['A']:+.1%})"
+        lines.append(line.rstrip())
+    return lines
+
+
 def decisive_range(finals: list, target: float, least: float = 0.3) -> tuple:
     """(bottom, top) of a loss axis that shows what decides a record: the target and the final
     losses, with room above them for the curves' approach. It spans `least` nats, or 1.25 times
@@ -275,6 +295,9 @@ def main(argv=None) -> int:
         sections.append((f"validation loss at common fractions of training (A {a.num_iterations} steps, "
                          f"B {b.num_iterations}; linear between logged val steps)", fraction_table(a, b)))
     sections.append(("timing", timing_lines(a, b)))
+    if a.stage_starts or b.stage_starts:
+        sections.append(("step time by stage (without each stage's first and last step and the steps at and "
+                         "after a validation)", stage_lines(a, b)))
     for title, lines in sections:
         print(f"== {title}")
         print("\n".join(lines) + "\n")

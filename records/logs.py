@@ -10,6 +10,8 @@
 
 parse_log(path) -> RunLog reads any log, finished or not; require_complete(run) raises LogError
 unless the run finished, because only finished runs have a final val loss and a total time.
+
+  python records/logs.py LOG...   how each run ended, its time, and (ours) its step time by stage
 """
 import ast
 import dataclasses
@@ -29,6 +31,7 @@ SUMMARY_FIELD = re.compile(r"(\w+):(\S+)")
 PEAK_LINE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
 DEVICES_LINE = re.compile(r"^Devices: (\d+) x (.+) \(\w+\) in \d+ process\(es\)$")  # ours
 SMI_GPU_ROW = re.compile(r"^\|\s+\d+\s+(.+?)\s+(?:On|Off)\s+\|")  # nvidia-smi: `|   0  NVIDIA H100 80GB HBM3   On  |`
+STAGES_LINE = re.compile(r"stages at \[([\d, ]+)\], batch \[([\d, ]+)\] tokens")  # ours: the run's preset line
 
 
 class LogError(ValueError):
@@ -62,6 +65,8 @@ class RunLog:
     peak_memory_mib: float | None = None
     status: str = "truncated"  # complete | interrupted | stopped | truncated (killed, or still running)
     last_line: str = ""
+    stage_starts: list = dataclasses.field(default_factory=list)  # ours: the steps where stages start (0, ...)
+    stage_batches: list = dataclasses.field(default_factory=list)  # ours: tokens a step in each stage
 
     @property
     def finished(self) -> bool:
@@ -120,6 +125,26 @@ class RunLog:
     def time_at_step(self, step: int) -> float | None:
         """train_time (ms) of the step line `step:{step}/N`; None if the log has none."""
         return next((ms for s, ms, _ in self.train_steps if s == step), None)
+
+    def stage_step_ms(self) -> list:
+        """Step time by stage (ours): [{stage, batch, steps, ms, tokens_per_s}], from the train_time
+        differences of the stage's steps, leaving out those whose time is not the stage's pace: its
+        first and last step (the host waits for a program's first run, or the next stage's) and the
+        steps at and after a validation (the loop reads step s's loss after dispatching step s + 1).
+        Stage k holds the log's steps stage_starts[k] + 1 .. stage_starts[k + 1]; ms and tokens_per_s
+        are None where no step is left."""
+        time_at = {s: ms for s, ms, _ in self.train_steps} | {0: 0.0}
+        vals = {s for s, *_ in self.val_curve}
+        ends = self.stage_starts[1:] + [self.num_iterations or self.steps_done]
+        rows = []
+        for k, (start, end) in enumerate(zip(self.stage_starts, ends)):
+            steps = [i for i in range(start + 2, end) if i in time_at and i - 1 in time_at
+                     and i not in vals and i - 1 not in vals]
+            ms = sum(time_at[i] - time_at[i - 1] for i in steps) / len(steps) if steps else None
+            batch = self.stage_batches[k]
+            rows.append({"stage": k, "batch": batch, "steps": steps, "ms": ms,
+                         "tokens_per_s": batch / ms * 1000 if ms else None})
+        return rows
 
     def describe(self) -> str:
         preset = f", preset {self.preset}" if self.preset else ""
@@ -270,6 +295,8 @@ def _read_body(run: RunLog, lines: list) -> None:
                 run.untimed_steps = run.train_steps[-1][0]  # the PyTorch clock restarted after this step
             run.train_steps.append((int(m[1]), float(m[3]), float(m[4])))
             run.total_steps, run.clock_ms = int(m[2]), float(m[3])
+        elif run.layout == OURS and not run.stage_starts and (m := STAGES_LINE.search(line)):
+            run.stage_starts, run.stage_batches = [int(x) for x in m[1].split(",")], [int(x) for x in m[2].split(",")]
         elif m := COMPILE_LINE.match(line):
             run.compile_s = float(m[1])
         elif m := PEAK_LINE.match(line):
@@ -310,3 +337,42 @@ def require_complete(run: RunLog, fix: str = "") -> RunLog:
                        f"{run.num_iterations or '?'}; last line: {run.last_line!r}); only complete runs can be "
                        f"compared or tested" + (f" ({fix})" if fix else ""))
     return run
+
+
+def _ranges(steps: list) -> str:
+    """[2, 3, 4, 7] -> '2-4, 7'."""
+    runs = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    parser = argparse.ArgumentParser(description="How each run ended, its time and (ours) its step time by stage.")
+    parser.add_argument("logs", nargs="+", metavar="LOG")
+    bad = 0
+    for path in parser.parse_args(argv).logs:
+        try:
+            run = parse_log(path)
+        except LogError as e:
+            print(f"error: {e}", file=sys.stderr)
+            bad += 1
+            continue
+        final = f"final val_loss {run.final_val_loss:.4f}, " if run.finished else ""
+        print(f"{path}: {run.describe()}, {run.status} at step {run.last_step}; {final}train_time "
+              f"{run.train_time_ms or 0:.0f} ms over {run.timed_steps} timed steps, step_avg {run.step_avg_ms:.2f} ms"
+              + (f", compile {run.compile_s:.1f} s" if run.compile_s is not None else ""))
+        for row in run.stage_step_ms():
+            pace = (f"{row['ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s over steps {_ranges(row['steps'])}"
+                    if row["ms"] else "n/a (no step of its pace)")
+            print(f"  stage {row['stage']} ({row['batch']:,} tokens a step): {pace}")
+    return 2 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

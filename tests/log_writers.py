@@ -34,8 +34,8 @@ def train_line(step, N, ms, timed=None):
 
 def write_log(path, hp, val_losses, step_ms, end="complete"):
     """Header, info and compile lines, a val line every val_loss_every steps and at the end, a
-    train line per step, then the summary and `run complete` (or, for end="interrupted"/"stopped",
-    the line train() writes when that happens half-way)."""
+    train line per step (step_ms: each step's time, or a list of them), then the summary and `run
+    complete` (or, for end="interrupted"/"stopped", the line train() writes when that happens half-way)."""
     with open(tg.__file__) as f:
         lines = [f.read().rstrip("\n"), RULE, "Running Python 3.11.9 (main) [GCC 12.2.0]",
                  "Running jax 0.10.2 jaxlib 0.10.2 optax 0.2.5 numpy 2.2.6 on Linux-x86_64",
@@ -57,7 +57,7 @@ def write_log(path, hp, val_losses, step_ms, end="complete"):
             lines.append({"interrupted": f"interrupted at step {step} (SIGINT)",
                           "stopped": f"stopped: non-finite train loss nan at step {step}"}[end])
             break
-        train_ms += step_ms
+        train_ms += step_ms[step] if np.ndim(step_ms) else step_ms
         lines.append(train_line(step + 1, N, train_ms))
     if end == "complete":
         lines += [f"summary final_val_loss:{val_loss:.4f} train_time:{train_ms:.0f}ms step_avg:{train_ms / N:.2f}ms "

@@ -1335,6 +1335,9 @@ if sys.argv[1] == "train_gpt.py":
     cache = sys.argv[sys.argv.index("--compile-cache-dir") + 1]
     os.makedirs(cache, exist_ok=True)
     open(os.path.join(cache, "program"), "w").close()
+    rec = sys.argv[sys.argv.index("--records-dir") + 1]
+    os.makedirs(rec, exist_ok=True)
+    open(os.path.join(rec, f"run{{len(os.listdir(rec))}}.txt"), "w").close()
 """)
     stand_in.chmod(0o755)
     r = subprocess.run([script, "short-xla", "profile-xla", "crash-pallas", "profile-pallas", "crash-xla", "bench"],
@@ -1342,8 +1345,12 @@ if sys.argv[1] == "train_gpt.py":
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     argv, envs = zip(*(json.loads(line) for line in calls.read_text().splitlines()))
-    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "bench.py", "train_gpt.py",
-                                    "tests/gpu/fault.py", "bench.py", "train_gpt.py", "tests/gpu/fault.py", "bench.py"]
+    # after a run, records/logs.py reads its log (the newest) into the summary
+    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "records/logs.py", "bench.py", "train_gpt.py",
+                                    "records/logs.py", "tests/gpu/fault.py", "bench.py", "train_gpt.py",
+                                    "records/logs.py", "tests/gpu/fault.py", "bench.py"]
+    assert [os.path.basename(a[1]) for a in argv if a[0] == "records/logs.py"] == ["run0.txt", "run1.txt", "run2.txt"]
+    argv, envs = zip(*[(a, e) for a, e in zip(argv, envs) if a[0] != "records/logs.py"])
     assert argv[1][argv[1].index("--train-files") + 1].endswith("/synthetic_train_*.bin")  # the pattern, unexpanded
     cache = [a[a.index("--compile-cache-dir") + 1] for a in argv if "--compile-cache-dir" in a]
     short_xla, profile_xla, crash_pallas, profile_pallas, crash_xla, bench = cache
@@ -1368,8 +1375,9 @@ if sys.argv[1] == "train_gpt.py":
                            env={**env, "PYTHON": str(stand_in), "GPU_SESSION_CACHES": str(kept)})
         assert r.returncode == 0, r.stdout + r.stderr
     argv = [json.loads(line)[0] for line in calls.read_text().splitlines()]
-    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "bench.py"]
-    assert [a[a.index("--compile-cache-dir") + 1] for a in argv[1:]] == [str(kept / "pallas")] * 2
+    assert [a[0] for a in argv] == ["data/synthetic.py", "train_gpt.py", "records/logs.py", "bench.py"]
+    caches = [a[a.index("--compile-cache-dir") + 1] for a in argv if "--compile-cache-dir" in a]
+    assert caches == [str(kept / "pallas")] * 2
     assert (kept / "pallas" / "program").exists()
 
     # the lane: its cases side by side, each under a limit that ends before the piece's (the budget's)

@@ -22,7 +22,8 @@ from scipy import stats as scipy_stats  # noqa: E402
 import train_gpt as tg  # noqa: E402  (only for its Hyperparameters and source)
 from conftest import TINY_STEPS, TINY_VAL_STEPS, TINY_VOCAB  # noqa: E402
 from log_writers import (HP, NVIDIA_SMI, RULE, TORCH_0126_HYPERPARAMETERS, TORCH_89_EXTRA_FILE,  # noqa: E402
-                         TORCH_89_HYPERPARAMETERS, random_curve, torch_script, val_line, write_log, write_torch_log)
+                         TORCH_89_HYPERPARAMETERS, hp_with, random_curve, torch_script, val_line, write_log,
+                         write_torch_log)
 from records import compare, stats  # noqa: E402
 from records.logs import OURS, PYTORCH, Expression, LogError, parse_log, require_complete, simple_value  # noqa: E402
 
@@ -50,6 +51,7 @@ def test_the_real_trainers_log_parses(real_logs):
     assert a.final_val_loss == pytest.approx(a.val_curve[-1][1], abs=1e-4)
     assert a.train_time_ms == pytest.approx(a.train_steps[-1][1], abs=1) and a.untimed_steps == 0
     assert a.timed_steps == N and a.compile_s > 0 and a.num_iterations == N
+    assert (a.stage_starts, a.stage_batches) == ([0, 2, 4, 6], [1024] * 4)  # the preset line's stages
 
 
 def test_the_fixture_writer_matches_the_real_trainers_layout(real_logs, tmp_path):
@@ -114,6 +116,37 @@ def test_parse_log_reads_what_the_writer_wrote(tmp_path):
     assert run.train_steps[-1] == (40, 4000.0, 100.0) and len(run.train_steps) == 40
     assert run.compile_s == 12.3 and run.final_val_loss == curve[-1] and run.peak_memory_mib is None
     assert run.train_time_ms == 4000.0 and run.step_avg_ms == 100.0 and run.num_iterations == 40
+
+
+def test_step_time_by_stage_leaves_out_first_last_and_validation_steps(tmp_path, capsys):
+    """Each stage's pace from its steps' times (whole ms, so that the log's rounding is exact), without
+    its first and last step and the steps at and after a validation; compare shows both logs'."""
+    rng = np.random.default_rng()
+    hp = hp_with(40, val_loss_every=int(rng.integers(4, 12)))
+    N, every = hp.total_steps, hp.val_loss_every
+    step_ms = rng.integers(50, 500, N)
+    run = parse_log(write_log(tmp_path / "a.txt", hp, random_curve(rng, N // every + 2), list(step_ms)))
+    starts = [b[0] for b in tg.stage_bounds(hp)]
+    assert run.stage_starts == starts and run.stage_batches == [st.batch_size for st in hp.stages]
+    rows = run.stage_step_ms()
+    for k, row in enumerate(rows):
+        end = starts[k + 1] if k + 1 < len(starts) else N
+        kept = [i for i in range(starts[k] + 1, end + 1)
+                if i not in (starts[k] + 1, end) and i % every and (i - 1) % every]
+        assert row["steps"] == kept
+        if kept:
+            assert row["ms"] == pytest.approx(np.mean([step_ms[i - 1] for i in kept]))
+            assert row["tokens_per_s"] == pytest.approx(hp.stages[k].batch_size / row["ms"] * 1000)
+        else:
+            assert row["ms"] is None and row["tokens_per_s"] is None
+    assert any(row["ms"] for row in rows)
+
+    b = write_log(tmp_path / "b.txt", hp, random_curve(rng, N // every + 2), [ms - 10 for ms in step_ms])
+    assert compare.main([str(tmp_path / "a.txt"), b]) == 0
+    out = capsys.readouterr().out.split("== step time by stage")[1]
+    for row in rows:
+        if row["ms"]:
+            assert re.search(rf"stage {row['stage']} .* A +{row['ms']:.2f} ms .* B-A -10\.00 ms", out)
 
 
 def test_a_rule_and_step_lines_inside_the_embedded_source_do_not_confuse_the_parser(tmp_path):
@@ -610,6 +643,13 @@ def test_the_tools_run_as_scripts_from_the_repo_root_without_jax(tmp_path):
     assert ok.returncode == 0 and "sources identical" in ok.stdout and "note: A and B are the same log" in ok.stdout
     fail = subprocess.run([sys.executable, "records/stats.py", good, bad], cwd=ROOT, capture_output=True, text=True)
     assert fail.returncode == 2 and "interrupted" in fail.stderr and "Traceback" not in fail.stderr
+    logs = subprocess.run([sys.executable, "records/logs.py", good, bad, "nope.txt"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert logs.returncode == 2 and "nope.txt" in logs.stderr and "Traceback" not in logs.stderr
+    assert re.search(r"good\.txt: JAX train_gpt.py log, preset cpu, 40 steps, complete at step 40; final val_loss .*\n"
+                     r"  stage 0 \(\d[\d,]* tokens a step\): 100\.00 ms, \d+ tokens/s over steps 2-9, 12\n",
+                     logs.stdout), logs.stdout
+    assert "interrupted at step 20" in logs.stdout
     probe = ("import sys; sys.argv = ['x', sys.argv[1], sys.argv[1]]; import records.compare as c, records.stats as s; "
              "c.main(); s.main(); assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
     nojax = subprocess.run([sys.executable, "-c", probe, good], cwd=ROOT, capture_output=True, text=True)

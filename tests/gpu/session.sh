@@ -64,7 +64,8 @@
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
-# tokens_per_s, compile_s) of the record logs in rec/ of the packed output. MLP=pallas and HEAD=pallas
+# tokens_per_s, compile_s) of the record logs in rec/ of the packed output, and each stage's step time
+# (records/logs.py, printed into session.txt after the run). MLP=pallas and HEAD=pallas
 # give the short runs, the profiles and the bench suite --mlp pallas and --head pallas (the GEMM
 # kernels with fused epilogues; default xla).
 set -uo pipefail
@@ -141,6 +142,12 @@ shards() {  # the short runs' data, written once
     fi
 }
 
+stage_times() {  # the newest record log's end and step time by stage (records/logs.py), into the summary
+    local log
+    log=$(ls -t "$RUN"/rec/*.txt 2>/dev/null | head -n 1)
+    [ -n "$log" ] && "$PY" records/logs.py "$log" 2>&1 | tee -a "$OUT/session.txt"
+}
+
 short() {  # short IMPL CACHE_DIR: SHORT becomes the short run's command
     SHORT=("$PY" train_gpt.py --preset record --attention "$1" --mlp "$MLP" --head "$HEAD"
            --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin"
@@ -159,7 +166,8 @@ for p in "$@"; do
         short-xla|short-pallas)
             shards
             short "${p#short-}" "$CACHES/${p#short-}"
-            piece "$p" 360 "${SHORT[@]}" ;;
+            piece "$p" 360 "${SHORT[@]}"
+            stage_times ;;
         crash-xla|crash-pallas)  # compiles cold, so that XLA dumps the programs
             shards
             dump=$(mktemp -d) cache="$CACHES/${p#crash-}"
@@ -168,12 +176,14 @@ for p in "$@"; do
             piece "$p" 360 env CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 CUDA_ENABLE_LIGHTWEIGHT_COREDUMP=1 \
                 CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION=0 CUDA_COREDUMP_FILE="$dump/core.%p" \
                 XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump/xla --xla_dump_hlo_as_text" "${SHORT[@]}"
+            stage_times
             piece "$p-fault" 120 "$PY" tests/gpu/fault.py "$dump" ;;
         short-record20)
             shards
             piece "$p" 360 "$PY" records/record20/train_gpt.py --preset record --num-iterations 30 --val-loss-every 0 \
                 --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin" \
-                --records-dir "$RUN/rec" --compile-cache-dir "" ;;
+                --records-dir "$RUN/rec" --compile-cache-dir ""
+            stage_times ;;
         # the tables keep the profile's top ops and lines; the raw trace (tens of MB) stays on the machine
         profile-xla|profile-pallas)
             piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --mlp "$MLP" \
