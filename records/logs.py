@@ -13,6 +13,7 @@ unless the run finished, because only finished runs have a final val loss and a 
 
   python records/logs.py LOG...   how each run ended, its time, and (ours) its step time by stage
 """
+import argparse
 import ast
 import dataclasses
 import hashlib
@@ -20,6 +21,7 @@ import json
 import operator
 import os
 import re
+import sys
 
 RULE = "=" * 100
 OURS, PYTORCH = "jax", "pytorch"
@@ -351,8 +353,6 @@ def _ranges(steps: list) -> str:
 
 
 def main(argv=None) -> int:
-    import argparse
-    import sys
     parser = argparse.ArgumentParser(description="How each run ended, its time and (ours) its step time by stage.")
     parser.add_argument("logs", nargs="+", metavar="LOG")
     bad = 0
