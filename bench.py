@@ -599,7 +599,12 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
             sources.setdefault(e["name"], " | ".join(sorted({sources.get(c, "?") for c in calls_of[base]})))
             jax_names.setdefault(e["name"], jax_names.get(calls_of[base][0]))
             return e["name"]
-        return by_kernel.get(e["name"]) or by_kernel.get(base, op)
+        named = by_kernel.get(e["name"]) or by_kernel.get(base)
+        if named:
+            return named
+        # a kernel of no instruction of the program inside a command buffer (cuBLAS's, a copy): by its own
+        # name, not lumped with the buffer's other such kernels
+        return e["name"] if re.fullmatch(r"command_buffer[._]\d+", op) else op
 
     device_events = device_op_events(events)
     by_device = defaultdict(list)
