@@ -1412,9 +1412,41 @@ def _dkv_kernel(hi_ref, window_ref, scale_ref, docs_ref, q_ref, k_ref, v_ref, do
     dv_ref[...] = dv_BxK.astype(dv_ref.dtype)
 
 
+# FP8 dots in Triton kernels accumulate as Triton's own frontend has them accumulate on an H100: its
+# default for an e4m3/e5m2 dot there is max_num_imprecise_acc = 2**30 (Hopper's FP8 tensor cores add
+# with less than fp32's precision; triton-lang/triton#2300), which the reference's FP8 MLP kernel gets
+# and its head GEMM asks for (_scaled_mm's use_fast_accum=True), and XLA's own Triton GEMMs use too.
+# Pallas builds its tt.dot without the attribute, i.e. 0: exact fp32 accumulation, which Hopper's FP8
+# wgmma cannot do, so Triton fell back to Ampere's mma.sync on fp16 copies of the operands (compiled for
+# sm_90 without a GPU, 2026-11-27: mlp_up's and head_logits' PTX held mma.sync, the bf16 kernels'
+# wgmma; the 2026-11-27 H100 sweep timed mlp_up at a third of XLA's FP8 GEMM). So the Triton dialect's
+# dot builder, which Pallas's Triton lowering calls, gets Triton's default for FP8 operands; other dots
+# are untouched. Installed when the first Pallas kernel is built (interpret mode never meets it).
+TRITON_FP8_IMPRECISE_ACC = 2**30
+
+
+def _triton_fp8_dots_accumulate_as_on_hopper():
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt
+    if getattr(tt.dot, "fp8_imprecise_acc", None) == TRITON_FP8_IMPRECISE_ACC:
+        return
+    pallas_dot = tt.dot
+
+    def dot(a, b, c, *, max_num_imprecise_acc=None, **kwargs):
+        if max_num_imprecise_acc is None and all(
+                str(ir.RankedTensorType(x.type).element_type).startswith("f8") for x in (a, b)):
+            max_num_imprecise_acc = TRITON_FP8_IMPRECISE_ACC
+        return pallas_dot(a, b, c, max_num_imprecise_acc=max_num_imprecise_acc, **kwargs)
+
+    dot.fp8_imprecise_acc, dot.__wrapped__ = TRITON_FP8_IMPRECISE_ACC, pallas_dot
+    tt.dot = dot
+
+
 def _pallas(kernel, tuning, name, **call):
     """The kernel as Triton when lowered for CUDA (explicit Triton params: jax 0.10 would pick Mosaic GPU),
     anywhere else the same kernel in interpret mode."""
+    _triton_fp8_dots_accumulate_as_on_hopper()
+
     def build(interpret):
         params = pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
         return pl.pallas_call(kernel, compiler_params=params, interpret=interpret, name=name, **call)
@@ -1543,9 +1575,11 @@ class GemmTuning:
         return dataclasses.replace(self, rows=fit(self.rows, M), cols=fit(self.cols, N), depth=fit(self.depth, K))
 
 
-# Starting points, not yet measured on a GPU: a 128 x 256 fp32 accumulator over 8 warps (128 registers
-# a thread), 3 stages of 48 KiB of input tiles in shared memory (e4m3 128 deep, bf16 64 deep).
-PALLAS_MLP_UP = GemmTuning(rows=128, cols=256, depth=128, num_warps=8, num_stages=3)
+# Starting points, not yet timed with Hopper's tensor-core path: dpre (bf16) a 128 x 256 fp32 accumulator
+# over 8 warps (128 registers a thread), 3 stages of 48 KiB of input tiles in shared memory (64 deep);
+# up (e4m3, 128 deep) 128 x 128, since with FP8 wgmma a 128 x 256 tile's epilogue spills registers
+# (152 bytes a thread; tests/gpu/aot.py --sweep, 2026-11-27), 128 x 128 at 3 or 4 stages does not.
+PALLAS_MLP_UP = GemmTuning(rows=128, cols=128, depth=128, num_warps=8, num_stages=3)
 PALLAS_MLP_DPRE = GemmTuning(rows=128, cols=256, depth=64, num_warps=8, num_stages=3)
 
 

@@ -399,6 +399,46 @@ def test_pallas_mlp_kernels_give_the_xla_paths_values_and_float64s():
         assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), name
 
 
+def test_fp8_dots_in_triton_kernels_accumulate_as_triton_does_on_hopper():
+    """Building a Pallas kernel gives the Triton dialect's dot builder, which Pallas's Triton lowering
+    calls, Triton's own sm_90 default for FP8 operands (max_num_imprecise_acc 2**30: Hopper's FP8 wgmma,
+    not mma.sync on fp16 copies); a bf16 dot, or one given a value, keeps what it was given."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax._src.lib.triton import dialect as tt
+
+    patched = tt.dot
+    tt.dot = getattr(patched, "__wrapped__", patched)  # as JAX has it
+    try:
+        m._pallas(lambda o_ref: None, m.PALLAS_HEAD, "probe", out_shape=jax.ShapeDtypeStruct((8,), jnp.float32))
+        assert tt.dot.fp8_imprecise_acc == 2**30
+        once = tt.dot
+        m._triton_fp8_dots_accumulate_as_on_hopper()
+        assert tt.dot is once  # installed once, not wrapped twice
+
+        ctx = ir.Context()
+        tt.register_dialect(ctx)
+        with ctx, ir.Location.unknown():
+            module = ir.Module.create()
+            with ir.InsertionPoint(module.body):
+                def zeros(shape, element):
+                    t = ir.RankedTensorType.get(shape, element)
+                    return arith.constant(t, ir.DenseElementsAttr.get_splat(t, ir.FloatAttr.get(element, 0.0)))
+
+                def imprecise_acc(a_type, b_type, **given):
+                    op = tt.dot(zeros([64, 32], a_type), zeros([32, 64], b_type), zeros([64, 64], ir.F32Type.get()),
+                                **given).owner
+                    attr = op.attributes["maxNumImpreciseAcc"] if "maxNumImpreciseAcc" in op.attributes else None
+                    return ir.IntegerAttr(attr).value if attr is not None else 0
+
+                e4m3, e5m2, bf16 = ir.Float8E4M3FNType.get(), ir.Float8E5M2Type.get(), ir.BF16Type.get()
+                assert imprecise_acc(e4m3, e4m3) == imprecise_acc(e5m2, e4m3) == 2**30
+                assert imprecise_acc(bf16, bf16) == 0
+                assert imprecise_acc(e4m3, e4m3, max_num_imprecise_acc=32) == 32
+    finally:
+        tt.dot = patched
+
+
 def test_bf16_rounded_rounds_as_a_bf16_cast_and_keeps_infinities_and_nans():
     import ml_dtypes
     rng = np.random.default_rng()
