@@ -1028,6 +1028,26 @@ FileNames
     "\nStackFrames", *(f"{k} {{file_location_id={k} parent_frame_id=1}}" for k in range(1, len(FRAMES) + 1))]) + "\n"
 
 
+def test_the_sweep_names_the_tensor_core_instructions_of_each_kernel(tmp_path):
+    """tests/gpu/aot.py --sweep reads the swept kernel's PTX: Hopper's wgmma with its operand types, or
+    Ampere's mma.sync (what Pallas's FP8 kernels got before their dots allowed FP8 accumulation)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    from aot import mma_note
+
+    def ptx(name, entry, *lines):
+        path = tmp_path / name
+        path.write_text("\n".join([".version 8.7", f".visible .entry {entry}(", ")", "{", *lines, "}"]))
+        return str(path)
+
+    other = ptx("a.ptx", "loop_fusion", "\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1}, %rd1, %rd2;")
+    hopper = ptx("b.ptx", "mlp_up", "\twgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%r1}, %rd1, %rd2, 0;",
+                 "\twgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%r1}, %rd1, %rd2, 1;")
+    ampere = ptx("c.ptx", "head_logits", "\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};")
+    assert mma_note("mlp_up", [other, hopper]) == ", wgmma (e4m3)"
+    assert mma_note("head_logits", [other, hopper, ampere]) == ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma"
+    assert mma_note("mlp_up_2", [hopper]) == "" and mma_note("mlp_dpre", []) == ""
+
+
 def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     from aot import HBM_BYTES_PER_S, NVLINK_BYTES_PER_S, traffic, traffic_lines

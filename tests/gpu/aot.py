@@ -17,7 +17,8 @@ so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this
             per device): one device's memory and estimate, with the bytes it sends to the others
             in collectives (the gradients' reduce-scatters, the new parameters' all-gathers);
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
-            and registers at the record's last stage, so that a GPU session times only those.
+            and registers at the record's last stage, so that a GPU session times only those, and
+            which tensor-core instructions each got (its PTX: Hopper's wgmma, or Ampere's mma.sync).
 
 It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in its own environment,
 
@@ -25,18 +26,27 @@ It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in i
     /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--devices N] [--sweep CONFIGS]
 """
 import argparse
+import atexit
 import contextlib
 import dataclasses
+import glob
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
 
+PTX_DIR = None  # with --sweep: where XLA writes the swept kernels' PTX (sweep_rows reads their MMA instructions)
 if __name__ == "__main__":  # (imported, by the tests, it leaves the environment alone)
     os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only: the CUDA plugin gives a topology, never a device
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA logs ptxas's register-spill reports at INFO level
+    if any(a.startswith("--sweep") for a in sys.argv) and "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
+        PTX_DIR = tempfile.mkdtemp(prefix="aot_ptx_")  # read before JAX starts: XLA reads its flags once
+        atexit.register(shutil.rmtree, PTX_DIR, ignore_errors=True)
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={PTX_DIR} "
+                                   "--xla_dump_emitter_re=ptx --xla_dump_hlo_module_re=jit__lambda").strip()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
@@ -381,10 +391,31 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
     return rows
 
 
+# the Pallas kernel a sweep item tunes, by the name its PTX entry has
+SWEPT_KERNEL = {"fwd": "attention_fwd", "dq": "attention_dq", "dkv": "attention_dkv", "up": "mlp_up",
+                "dpre": "mlp_dpre", "head": "head_logits"}
+
+
+def mma_note(kernel: str, ptx_files: list) -> str:
+    """Which tensor-core instructions the kernel's PTX holds: Hopper's wgmma (warpgroup MMA, FP8 among
+    its types) or Ampere's mma.sync (a third of the rate; FP8 operands on fp16 copies). '' when no PTX
+    of the kernel was written (XLA_FLAGS set its own dump folder)."""
+    for path in ptx_files:
+        with open(path) as f:
+            text = f.read()
+        if re.search(rf"\.entry {kernel}\b", text):
+            types = sorted(set(re.findall(r"wgmma\.mma_async\.\S*?\.(e4m3|e5m2|bf16|f16|tf32)\.", text)))
+            if types:
+                return f", wgmma ({', '.join(types)})"
+            return ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma" if "mma.sync" in text else ", no MMA"
+    return ""
+
+
 def sweep_rows(mesh, configs: list) -> list:
     """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
     forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv;
-    the MLP's kernels on the chunk's tokens at the record's width for up and dpre, and the head's."""
+    the MLP's kernels on the chunk's tokens at the record's width for up and dpre, and the head's.
+    Each row: whether it compiles, ptxas's spills, and (from its PTX) which MMA instructions it got."""
     hp = tg.PRESETS["record"]
     T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
     rep = NamedSharding(mesh, P())
@@ -417,10 +448,12 @@ def sweep_rows(mesh, configs: list) -> list:
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
         name = tuning_name(kernel, tuning)
         try:
-            notes = []
+            notes, before = [], set(glob.glob(os.path.join(PTX_DIR or "", "*.ptx")))
             with ptxas_notes(notes):
                 program.lower(*args).compile()
-            rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills"))
+            ptx = sorted(set(glob.glob(os.path.join(PTX_DIR or "", "*.ptx"))) - before) if PTX_DIR else []
+            rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills")
+                        + mma_note(SWEPT_KERNEL[kernel], ptx))
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
             rows.append(f"{name:14s} FAILS: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         print(rows[-1], flush=True)
