@@ -13,15 +13,17 @@
 # again) finds XLA's autotuning results and kernels there; "this call's cache" below is then DIR's,
 # empty only if DIR was.
 #
-#   C=$(mktemp -d); OUT=$OUT/a BUDGET_S=310 GPU_SESSION_CACHES=$C tests/gpu/session.sh short-pallas; \
-#   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/b BUDGET_S=190 GPU_SESSION_CACHES=$C \
+#   C=$(mktemp -d); OUT=$OUT/a BUDGET_S=330 GPU_SESSION_CACHES=$C tests/gpu/session.sh short-pallas \
+#   profile-pallas; MLP=pallas HEAD=pallas OUT=$OUT/b BUDGET_S=170 GPU_SESSION_CACHES=$C \
 #   tests/gpu/session.sh profile-pallas
 #                          # call 1 (timeout_s 530): the fused attention's short run to the end (2026-11-27
 #                          # one H100 ran out of memory at stage 2's first step, since given 90% of it),
-#                          # then the last stage's step profiled without XLA's command buffers, which hid
-#                          # most kernels from the profile's tables (2026-11-27: 31-52% of the step in one);
-#                          # its program compiled again (other flags) with the short run's autotuning
-#                          # results and kernels from $C
+#                          # the last stage's step profiled (its program loaded from the short run's
+#                          # cache; the profile now counts overlapping kernels and names the kernels in
+#                          # XLA's command buffers, which had left a third of the step under "?"), then
+#                          # the same with the Pallas GEMM kernels, on Hopper's FP8 wgmma since
+#                          # 2026-11-27 (compiled again, with the short run's autotuning results and
+#                          # kernels from $C); without command buffers: XLA_FLAGS=--xla_gpu_enable_command_buffer=
 #   OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40: 900 s
 #                          # of device time hold ~780 s of commands): the lane (211 s with 4 processes
