@@ -532,19 +532,23 @@ def exclusive_times(events: list) -> list:
     part). So the times add up to the time at least one op runs, with nothing counted twice or lost."""
     def key(i):
         return events[i]["ts"], -events[i]["dur"], i
-    def encloses(i, j):  # i's span holds j's (identical spans: the first listed holds the other)
-        return (events[i]["ts"] <= events[j]["ts"] and events[j]["ts"] + events[j]["dur"] <= events[i]["ts"]
-                + events[i]["dur"] and key(i) < key(j))
     starts = sorted(range(len(events)), key=key)
     bounds = sorted({t for e in events for t in (e["ts"], e["ts"] + e["dur"])})
-    own, active, nxt = [0.0] * len(events), [], 0
+    own, active, nxt = [0.0] * len(events), [], 0  # active: (start, end, index) in key order
     for t0, t1 in zip(bounds, bounds[1:]):
-        active = [i for i in active if events[i]["ts"] + events[i]["dur"] > t0]
+        active = [a for a in active if a[1] > t0]
         while nxt < len(starts) and events[starts[nxt]]["ts"] <= t0:
-            if events[starts[nxt]]["dur"] > 0:
-                active.append(starts[nxt])
+            i = starts[nxt]
+            if events[i]["dur"] > 0:  # starts come in key order: appending keeps active sorted
+                active.append((events[i]["ts"], events[i]["ts"] + events[i]["dur"], i))
             nxt += 1
-        leaves = [i for i in active if not any(j != i and encloses(i, j) for j in active)]
+        # a running op encloses another iff one after it in key order (a later start, or the same start and
+        # a span no longer; identical spans: the one listed later) ends no later than it
+        leaves, first_end = [], math.inf
+        for _, end, i in reversed(active):
+            if end < first_end:
+                leaves.append(i)
+            first_end = min(first_end, end)
         for i in leaves:
             own[i] += (t1 - t0) / len(leaves)
     return list(zip(events, own))
@@ -575,7 +579,8 @@ def source_of(text: str):
 
 def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = "", k: int = TOP_OPS) -> dict:
     """The k device ops with the most exclusive time (exclusive_times): count and ms per step of one device
-    (the mean over the trace's devices), % of the profiled step time."""
+    (the mean over the trace's devices; on CPU every device's thunks run in the host's one process, which
+    counts as one), % of the profiled step time."""
     with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     jax_names = dict(HLO_OP_NAME.findall(hlo_text))
@@ -591,9 +596,10 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
     for call, kernel_name in TRITON_CALL.findall(hlo_text):
         calls_of[kernel_name].append(call)
     def op_of(e):
-        op = e.get("args", {}).get("hlo_op") or e["name"]
-        if op in sources:
-            return op
+        op = e.get("args", {}).get("hlo_op")
+        if op and not re.fullmatch(r"command_buffer[._]\d+", op):
+            return op  # the event names its instruction
+        op = op or e["name"]
         base = re.sub(r"__\d+$", "", e["name"])
         if base in calls_of:
             sources.setdefault(e["name"], " | ".join(sorted({sources.get(c, "?") for c in calls_of[base]})))

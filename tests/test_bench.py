@@ -129,13 +129,17 @@ def test_ops_running_at_once_share_the_time_and_none_is_lost(tmp_path):
     assert profile["device_busy_ms"] == pytest.approx(0.020) and profile["device_busy_pct"] == pytest.approx(80.0)
     assert profile["idle"]["ms_per_step"] == 0 and profile["idle"]["outside_ms_per_step"] == pytest.approx(0.005)
 
+    # a second device runs the same 7 us later, then idles 13 us before one more op (40-45 us): figures are
+    # each device's own (its gaps, its first op .. last), averaged over the devices
     twice = events + [meta(3, process="/device:GPU:1"), meta(3, 1, thread="XLA Ops")] + [
-        {**e, "pid": 3, "ts": e["ts"] + 7} for e in events if e["ph"] == "X"]
+        {**e, "pid": 3, "ts": e["ts"] + 7} for e in events if e["ph"] == "X"] + [op(3, 1, "fusion.4", 40, 5)]
     write_trace(path, twice)
-    both = bench.top_device_ops(str(path), steps=1, step_ms=0.025)
+    both = bench.top_device_ops(str(path), steps=1, step_ms=0.05)
     assert [(r["op"], r["count"], r["ms"]) for r in both["top_ops"]] == [
-        (r["op"], r["count"], pytest.approx(r["ms"])) for r in profile["top_ops"]]
-    assert both["device_busy_ms"] == pytest.approx(0.020) and both["idle"]["ops_per_step"] == 3
+        (r["op"], r["count"], pytest.approx(r["ms"])) for r in profile["top_ops"]] + [("fusion.4", 0.5, 0.0025)]
+    assert both["device_busy_ms"] == pytest.approx(0.0225) and both["idle"]["ops_per_step"] == 3.5
+    assert both["idle"]["ms_per_step"] == pytest.approx(0.0065) and [g["us"] for g in both["idle"]["longest"]] == [13]
+    assert both["idle"]["outside_ms_per_step"] == pytest.approx((0.050 - 0.020 + 0.050 - 0.038) / 2)
 
 
 def test_exclusive_times_match_a_microsecond_grid(tmp_path):

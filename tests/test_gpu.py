@@ -1043,7 +1043,12 @@ def test_the_sweep_names_the_tensor_core_instructions_of_each_kernel(tmp_path):
     hopper = ptx("b.ptx", "mlp_up", "\twgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%r1}, %rd1, %rd2, 0;",
                  "\twgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%r1}, %rd1, %rd2, 1;")
     ampere = ptx("c.ptx", "head_logits", "\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};")
+    backward = ptx("d.ptx", "attention_dq", "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1};",
+                   "}", ".visible .entry attention_dkv(", ")", "{",
+                   "\twgmma.mma_async.sync.aligned.m64n64k32.f16.e4m3.e4m3 {%r1}, %rd1, %rd2;")  # two kernels
     assert mma_note("mlp_up", [other, hopper]) == ", wgmma (e4m3)"
+    assert mma_note("attention_dq", [backward]).startswith(", mma.sync")  # not its neighbour's wgmma
+    assert mma_note("attention_dkv", [backward]) == ", wgmma (e4m3)"  # the operands, not the f16 accumulator
     assert mma_note("head_logits", [other, hopper, ampere]) == ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma"
     assert mma_note("mlp_up_2", [hopper]) == "" and mma_note("mlp_dpre", []) == ""
 

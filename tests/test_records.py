@@ -122,7 +122,7 @@ def test_step_time_by_stage_leaves_out_first_last_and_validation_steps(tmp_path,
     """Each stage's pace from its steps' times (whole ms, so that the log's rounding is exact), without
     its first and last step and the steps at and after a validation; compare shows both logs'."""
     rng = np.random.default_rng()
-    hp = hp_with(40, val_loss_every=int(rng.integers(4, 12)))
+    hp = hp_with(40, val_loss_every=int(rng.integers(4, 12)), num_extension_iterations=int(rng.integers(8, 12)))
     N, every = hp.total_steps, hp.val_loss_every
     step_ms = rng.integers(50, 500, N)
     run = parse_log(write_log(tmp_path / "a.txt", hp, random_curve(rng, N // every + 2), list(step_ms)))
@@ -139,7 +139,7 @@ def test_step_time_by_stage_leaves_out_first_last_and_validation_steps(tmp_path,
             assert row["tokens_per_s"] == pytest.approx(hp.stages[k].batch_size / row["ms"] * 1000)
         else:
             assert row["ms"] is None and row["tokens_per_s"] is None
-    assert any(row["ms"] for row in rows)
+    assert any(row["ms"] for row in rows) and rows[-1]["steps"]  # the extension too
 
     b = write_log(tmp_path / "b.txt", hp, random_curve(rng, N // every + 2), [ms - 10 for ms in step_ms])
     assert compare.main([str(tmp_path / "a.txt"), b]) == 0

@@ -403,11 +403,15 @@ def mma_note(kernel: str, ptx_files: list) -> str:
     for path in ptx_files:
         with open(path) as f:
             text = f.read()
-        if re.search(rf"\.entry {kernel}\b", text):
-            types = sorted(set(re.findall(r"wgmma\.mma_async\.\S*?\.(e4m3|e5m2|bf16|f16|tf32)\.", text)))
+        start = re.search(rf"\.entry {kernel}\(", text)
+        if start:  # the kernel's own body: up to the module's next entry (dq and dk/dv share a module)
+            after = re.search(r"\.entry \w+\(", text[start.end():])
+            body = text[start.start():start.end() + after.start() if after else len(text)]
+            # wgmma.mma_async.sync.aligned.mMnNkK.ACCUMULATOR.A.B: the operand types
+            types = sorted(set(re.findall(r"wgmma\.mma_async\.\S*?\.m\d+n\d+k\d+\.\w+\.(\w+)\.", body)))
             if types:
                 return f", wgmma ({', '.join(types)})"
-            return ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma" if "mma.sync" in text else ", no MMA"
+            return ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma" if "mma.sync" in body else ", no MMA"
     return ""
 
 
