@@ -599,18 +599,15 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
         op = e.get("args", {}).get("hlo_op")
         if op and not re.fullmatch(r"command_buffer[._]\d+", op):
             return op  # the event names its instruction
-        op = op or e["name"]
+        # a kernel inside a command buffer, or an event naming no instruction: its kernel's name says what ran
         base = re.sub(r"__\d+$", "", e["name"])
         if base in calls_of:
             sources.setdefault(e["name"], " | ".join(sorted({sources.get(c, "?") for c in calls_of[base]})))
             jax_names.setdefault(e["name"], jax_names.get(calls_of[base][0]))
             return e["name"]
-        named = by_kernel.get(e["name"]) or by_kernel.get(base)
-        if named:
-            return named
-        # a kernel of no instruction of the program inside a command buffer (cuBLAS's, a copy): by its own
-        # name, not lumped with the buffer's other such kernels
-        return e["name"] if re.fullmatch(r"command_buffer[._]\d+", op) else op
+        # a kernel of no instruction of the program (cuBLAS's, a copy): by its own name, not lumped with the
+        # buffer's other such kernels
+        return by_kernel.get(e["name"]) or by_kernel.get(base) or e["name"]
 
     device_events = device_op_events(events)
     by_device = defaultdict(list)

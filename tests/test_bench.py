@@ -158,9 +158,9 @@ def test_exclusive_times_match_a_microsecond_grid(tmp_path):
     events += [op(2, int(rng.integers(1, 4)), f"fusion.{i}", ts, dur) for i, (ts, dur) in enumerate(spans)]
     start, end = min(ts for ts, _ in spans), max(ts + dur for ts, dur in spans)
     expected, busy = np.zeros(len(spans)), 0
+    holds = lambda i, j: spans[i][0] <= spans[j][0] and sum(spans[j]) <= sum(spans[i]) and i != j  # noqa: E731
     for us in range(start, end):
         running = [i for i, (ts, dur) in enumerate(spans) if ts <= us < ts + dur]
-        holds = lambda i, j: spans[i][0] <= spans[j][0] and sum(spans[j]) <= sum(spans[i]) and i != j  # noqa: E731
         innermost = [i for i in running if not any(holds(i, j) for j in running)]
         for i in innermost:
             expected[i] += 1 / len(innermost)

@@ -391,6 +391,11 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
     return rows
 
 
+def ptx_files() -> set:
+    """The PTX files XLA has written so far (none unless --sweep set PTX_DIR up)."""
+    return set(glob.glob(os.path.join(PTX_DIR, "*.ptx"))) if PTX_DIR else set()
+
+
 # the Pallas kernel a sweep item tunes, by the name its PTX entry has
 SWEPT_KERNEL = {"fwd": "attention_fwd", "dq": "attention_dq", "dkv": "attention_dkv", "up": "mlp_up",
                 "dpre": "mlp_dpre", "head": "head_logits"}
@@ -452,10 +457,10 @@ def sweep_rows(mesh, configs: list) -> list:
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
         name = tuning_name(kernel, tuning)
         try:
-            notes, before = [], set(glob.glob(os.path.join(PTX_DIR or "", "*.ptx")))
+            notes, before = [], ptx_files()
             with ptxas_notes(notes):
                 program.lower(*args).compile()
-            ptx = sorted(set(glob.glob(os.path.join(PTX_DIR or "", "*.ptx"))) - before) if PTX_DIR else []
+            ptx = sorted(ptx_files() - before)
             rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills")
                         + mma_note(SWEPT_KERNEL[kernel], ptx))
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
