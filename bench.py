@@ -1028,7 +1028,7 @@ def write_out(path: str, text: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tg.claim_gpu_memory()  # the suite runs every stage's program in one process, as a training run does
+    tg.backend_defaults()  # as a training run starts (the suite runs every stage's program in one process)
     try:
         if args.out:  # fail now, not after the benchmarks
             folder = os.path.dirname(os.path.abspath(args.out))

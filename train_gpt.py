@@ -18,6 +18,7 @@ import os
 import pathlib
 import platform
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -757,8 +758,12 @@ def _mlp_bf16_fwd(x_TxD, w1_FxD, w2_FxD):
 mlp_bf16.defvjp(_mlp_bf16_fwd, lambda res, g: _mlp_bwd_bf16(*res, g))
 
 
-def fp8_dot(a, b, contract):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=F32)
+def fp8_dot(a, b, contract, exact=False):
+    """An FP8 GEMM with fp32 output. cuBLASLt accumulates FP8 products imprecisely (fast accumulation,
+    as the reference's forwards ask) unless the dot's precision is HIGHEST: exact=True, the reference's
+    use_fast_accum=False (its head backward)."""
+    precision = jax.lax.Precision.HIGHEST if exact else None
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=F32)
 
 
 def measured_scale(w, axes=None):
@@ -1058,8 +1063,12 @@ def _train_head_vjp_bwd(impl, res, ct):
     g, x_f8, w_f8 = res
     ct_sum = ct[0]  # the per-token losses are for logging: their cotangent is ignored
     gs = np.float32(LM_HEAD_GRAD_S)
-    dx = (fp8_dot(g, w_f8, ((1,), (1,))) * (gs * np.float32(LM_HEAD_W_S)) * ct_sum).astype(BF16)
-    dw = fp8_dot(x_f8, g, ((0,), (0,))) * (np.float32(LM_HEAD_X_S) * gs) * ct_sum
+    dx = (fp8_dot(g, w_f8, ((1,), (1,)), exact=True) * (gs * np.float32(LM_HEAD_W_S)) * ct_sum).astype(BF16)
+    # cuBLASLt's FP8 GEMM reads both operands along the summed axis, so dw reads g transposed: a copy of
+    # its own behind the barrier, which XLA would otherwise write from the gradient's pass as a second
+    # output, a transposing pass twice as slow (one H200, 2026-11-27: 114 against 58 ms a last-stage step)
+    g_dw = jax.lax.optimization_barrier(g)
+    dw = fp8_dot(x_f8, g_dw, ((0,), (0,)), exact=True) * (np.float32(LM_HEAD_X_S) * gs) * ct_sum
     return dx, dw.astype(BF16), None, None, None
 
 
@@ -2452,6 +2461,8 @@ def environment_lines() -> list:
         f"Running jax {jax.__version__} jaxlib {jaxlib.__version__} optax {optax.__version__} numpy {np.__version__}"
         f" on {platform.platform()}",
         f"Devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}) in {jax.process_count()} process(es)",
+        "Environment: " + " ".join(f"{k}={os.environ.get(k, '')!r}"
+                                   for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")),
     ]
     try:
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
@@ -3049,11 +3060,25 @@ FLAG_FIELDS = [f for f in dataclasses.fields(Hyperparameters) if f.name != "stag
 # temporaries found no range in one piece (2026-11-27; out of memory with 53 GB free in two ranges of 22
 # and 31 GB). At 90% the range after that buffer holds it.
 GPU_MEMORY_FRACTION = "0.90"
+# XLA flags every run starts with, unless XLA_FLAGS names the flag (the user's value wins). XLA's own
+# Triton GEMMs off, so that XLA's GEMMs are cuBLAS's, as the reference's are: one of them (Muon's batched
+# 3072x768 @ 768x768 product, TMA allowed) stopped two H200 runs of the record preset with
+# CUDA_ERROR_ILLEGAL_INSTRUCTION at a program's first step (named by a CUDA core dump, 2026-11-27; three
+# of the six record runs on GPUs so far stopped so). Without them the same run went to its end and
+# compiled in 76 s instead of 166 s; its last stage's step took 888 ms instead of 832 (bench.py --profile),
+# before the head gradient's transpose became a copy of its own (_train_head_vjp_bwd).
+XLA_FLAG_DEFAULTS = {"xla_gpu_enable_triton_gemm": "false"}
 
 
-def claim_gpu_memory(environ=os.environ) -> None:
-    """Before JAX starts its GPU backend: the pool's share of each GPU's memory, unless the user set one."""
+def backend_defaults(environ=os.environ) -> None:
+    """Before JAX starts its backend: the GPU pool's share of memory and XLA_FLAG_DEFAULTS, where the user
+    set none (XLA reads both once, when the backend starts)."""
     environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+    flags = environ.get("XLA_FLAGS", "")
+    named = set(re.findall(r"--(\w+)", flags))
+    extra = [f"--{name}={value}" for name, value in XLA_FLAG_DEFAULTS.items() if name not in named]
+    if extra:
+        environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
 def auto_attention() -> str:
@@ -3069,7 +3094,7 @@ def main(argv=None) -> int:
         if args.check:  # the backend only names the default preset: it must not take the GPUs' memory
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         else:
-            claim_gpu_memory()
+            backend_defaults()
             start_distributed(settings)
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
         if not args.check:  # (the options' verdict does not depend on it)

@@ -86,6 +86,7 @@ def test_one_device_and_two_processes_of_four_devices_train_the_same(request, ti
     one, two = (parse_log(p) for p in (tiny_attempt.logs[0], str(two_log)))
     assert "in 2 process(es)" in "\n".join(two.environment) and "8 x" in "\n".join(two.environment)
     assert "Devices: 1 x" in "\n".join(one.environment)
+    assert "--xla_gpu_enable_triton_gemm=false" in "\n".join(two.environment)  # the flags it ran with
     flags = [{k: v for k, v in run.hyperparameters.items() if k not in ("records_dir", "compile_cache_dir")}
              for run in (one, two)]
     assert flags[0] == flags[1]  # the same run but for its devices

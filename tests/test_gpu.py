@@ -21,9 +21,10 @@ tail and leaves the others running:
 
 e.g. `python tests/test_gpu.py attention xla 2560 49152 6`; the last line printed is `RESULT {json}`.
 Bisecting a crash: the children inherit the environment, so XLA_FLAGS (`--xla_dump_to=DIR`,
-`--xla_gpu_enable_triton_gemm=false`, `--xla_gpu_autotune_level=0`, ...), CUDA_LAUNCH_BLOCKING=1
-or JAX_* settings given to pytest apply to every case. GPU_LANE_TIMEOUT (seconds, default 900)
-bounds each child.
+`--xla_gpu_enable_triton_gemm=true`, `--xla_gpu_autotune_level=0`, ...), CUDA_LAUNCH_BLOCKING=1
+or JAX_* settings given to pytest apply to every case, on top of train_gpt.backend_defaults (XLA's
+Triton GEMMs off unless XLA_FLAGS names that flag), which a training run starts with too.
+GPU_LANE_TIMEOUT (seconds, default 900) bounds each child.
 
 GPU_LANE_ON_CPU=1 dry-runs the lane's logic on CPU at small shapes (cpu preset with T = 256 for
 training; T = 4,096 for attention). XLA:CPU has no FP8 GEMM, so there the HLO case asserts the
@@ -86,9 +87,13 @@ def run_case(*args):
 
     Fails with the child's exit status (or signal) and the tail of its output when it does not
     finish cleanly."""
+    import train_gpt as tg
+
+    env = dict(CHILD_ENV)
+    tg.backend_defaults(env)  # the case's backend starts as a training run's does: XLA's flags, the pool
     cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), *map(str, args)]
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=TIMEOUT)
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         out, err = ((b or b"").decode(errors="replace") for b in (e.stdout, e.stderr))  # bytes, even with text=True
         pytest.fail(f"case {args} ran past GPU_LANE_TIMEOUT={TIMEOUT}s\n{tails(out, err)}")
@@ -952,8 +957,9 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     assert unknown == []
     rows, unknown = traffic(TRAFFIC_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
     assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0] and unknown == ["loop"]  # counted once, and said
-    # custom calls count no FLOPs (cuBLAS's are not counted here at all), but train_gpt's Pallas GEMM kernels
-    # do: 2·M·N·K from their first two operands, the head's x8 (64 x 32) and w8 (96 x 32)
+    # cuBLAS's GEMMs count 2·M·N·K from their result and their dimension numbers (the first call's, the
+    # only one that has them: x8 (64 x 32) times w8 (96 x 32) summed over 32), and so do train_gpt's
+    # Pallas GEMM kernels, from their first two operands: here in place of that call
     line = next(l for l in CUBLAS_HLO.splitlines() if "%cublas-lt-matmul.1 =" in l)
     pallas = ('  %head = (bf16[64,96]{1,0}, f32[64,1]{1,0}) custom-call(%x8, %w8.1), custom_call_target='
               '"__gpu$xla.gpu.triton", backend_config={name = "head_logits"}')
@@ -962,7 +968,7 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     # written (and the indices and updates read), not the table; into zeros of its own, the table is written
     rows, _ = traffic(SCATTER_HLO)
     assert rows == {"rows:7": [32 + 2048 + 2 * 2048, 0, 1, 0], "zeros:8": [32 + 2048 + 1000 * 64 * 4, 0, 1, 0]}
-    assert traffic(CUBLAS_HLO)[0]["?"][1] == 0
+    assert traffic(CUBLAS_HLO)[0]["?"][1] == 2 * 64 * 96 * 32
     # every operand counts, the sixth (after XLA's comment) too: five f32[4] and a bf16[4] read, f32[4] written
     assert traffic(SIX_OPERANDS_HLO)[0] == {"?": [5 * 16 + 8 + 16, 0, 1, 0]}
     # slices read through a bitcast and a convert: their elements in the operand's type (two of qkv's
@@ -1231,8 +1237,11 @@ def case_mlp(T: int) -> dict:
     names = ["out", "amax", "dx", "dw1", "dw2"]
     vs_xla = {f"{n}_vs_xla": float(np.linalg.norm(a - b) / np.linalg.norm(b))
               for n, a, b in zip(names, run("pallas"), run("xla"))}
+    # the XLA path's post (its forward's residual) on the same rows: which path a difference comes from
+    post_xla = jax.jit(lambda *a: tg._mlp_fp8_fwd(*a, w2_scale, act_scale, valid, "xla")[1][3])(x, w1, w2)
     post_all = f64(post)
     return {"T": T, "seed": seed, "post_ulps": ulps(f64(post[rows]), post64),
+            "xla_post_ulps": ulps(f64(post_xla[rows]), post64), "post_differ": float(jnp.mean(post != post_xla)),
             "dpre_ulps": ulps(f64(dpre[rows]), dpre64),
             "post_f8_exact": bool(f8_ok), "amax_exact": float(amax) == float(post_all[np.asarray(valid)].max()),
             **vs_xla}
@@ -1277,6 +1286,8 @@ def case_head(T: int) -> dict:
 
     (lp, dxp, dwp), (lx, dxx, dwx) = run("pallas"), run("xla")
 
+    rows = np.sort(rng.choice(T, 64, replace=False))
+
     @jax.jit
     def logits(x, w):  # both implementations' logits and normaliser, as _train_head_fwd computes them;
         # compared on the device (T x 50,304 logits: 20 GB each in float64)
@@ -1291,11 +1302,21 @@ def case_head(T: int) -> dict:
         # with a floor of 2^-13 (the step at 2^-6; logits are about 0.14): a sum of 768 products cancelling
         # to near zero is off by more than a step of its tiny result (on CPU: 3 steps at 2^-17)
         ulps = jnp.abs(u_p - u_x) / (jnp.maximum(power, np.float32(2.0**-6)) * np.float32(2.0**-7))
-        return jnp.mean(u_p != u_x), jnp.max(ulps), jnp.max(jnp.abs(lse_p - lse_x))
+        return (jnp.mean(u_p != u_x), jnp.max(ulps), jnp.max(jnp.abs(lse_p - lse_x)), x_f8[rows], w_f8,
+                u_p[rows], u_x[rows])
 
-    u_differ, u_max_ulps, lse_max_diff = (float(a) for a in logits(x, w))
+    u_differ, u_max_ulps, lse_max_diff, x_f8, w_f8, u_p, u_x = logits(x, w)
+    # each path's logits on 64 rows against the exact (float64) product of the same e4m3 operands, in
+    # bf16 steps (floor as above): 0.5 is correct rounding; more is the GEMM's FP8 accumulation
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    exact = f64(x_f8) @ f64(w_f8) * float(tg.LM_HEAD_U_S)
+    step = 2.0 ** np.floor(np.log2(np.maximum(np.abs(exact), 2.0**-6))) * 2.0**-7
+    f64_ulps = {f"{name}_ulps_f64": float(np.max(np.abs(f64(u) - exact) / step))
+                for name, u in (("pallas", u_p), ("xla", u_x))}
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
-    return {"T": T, "seed": seed, "u_differ": u_differ, "u_max_ulps": u_max_ulps, "lse_max_diff": lse_max_diff,
+    u_differ, u_max_ulps, lse_max_diff = (float(a) for a in (u_differ, u_max_ulps, lse_max_diff))
+    return {"T": T, "seed": seed, "u_differ": u_differ, "u_max_ulps": u_max_ulps, **f64_ulps,
+            "lse_max_diff": lse_max_diff,
             "loss_max_diff": float(np.max(np.abs(lp - lx))),
             "loss_mean_diff": float(np.mean(np.abs(lp - lx))), "weight_max": float(np.max(np.sum(np.asarray(ws), axis=1))),
             "loss_mean": float(lx.mean()), "dx_vs_xla": rel(dxp, dxx), "dw_vs_xla": rel(dwp, dwx)}

@@ -241,13 +241,19 @@ def test_a_device_count_that_does_not_split_the_8_chunks(tiny_args, run_train, t
         result.stderr[-2000:]
 
 
-def test_the_gpu_memory_pool_takes_90_percent_unless_the_user_says_otherwise():
+def test_backend_defaults_give_the_gpu_pool_90_percent_and_xla_cublas_gemms_unless_the_user_says_otherwise():
     env = {"OTHER": "1"}
-    tg.claim_gpu_memory(env)  # JAX's default 75% left one H100 no room for the last stage (2026-11-27)
-    assert env == {"OTHER": "1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90"}
-    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}
-    tg.claim_gpu_memory(env)
-    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}
+    tg.backend_defaults(env)  # JAX's default 75% left one H100 no room for the last stage (2026-11-27)
+    assert env == {"OTHER": "1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90",
+                   "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6", "XLA_FLAGS": "--xla_dump_to=/tmp/d"}
+    tg.backend_defaults(env)  # the user's flags kept, ours added
+    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6",
+                   "XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false"}
+    for given in ("--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm"):
+        env = {"XLA_FLAGS": given}
+        tg.backend_defaults(env)  # named by the user: theirs
+        assert env["XLA_FLAGS"] == given
 
 
 def test_the_eta_prices_the_steps_left_by_their_tokens():

@@ -56,6 +56,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
+
+if __name__ == "__main__":
+    tg.backend_defaults()  # compiled with the XLA flags a training run starts with (before JAX reads them)
 from bench import gemm_kernels_named, parse_sweep, source_of, tuning_name  # noqa: E402
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
@@ -304,9 +307,14 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
                 moved, flops = 2 * type_bytes(typ(comp, ins.operands[1])), 0
             else:
                 moved, flops = type_bytes(ins.type) + sum(type_bytes(typ(comp, o)) for o in ins.operands), 0
+                summed = re.search(r'custom_call_target="__cublas.*"lhs_contracting_dimensions":\[([\d",]*)\]', ins.attrs)
                 if pallas_gemm(ins):  # A (M x K) and B (N x K) first: 2·M·N·K
                     (M, K), (N, _) = dims(typ(comp, ins.operands[0])), dims(typ(comp, ins.operands[1]))
                     flops = 2 * M * N * K
+                elif summed:  # a cuBLAS GEMM: 2 · its result's elements · the lhs dimensions it sums over
+                    lhs = dims(typ(comp, ins.operands[0]))
+                    K = np.prod([lhs[int(d)] for d in summed[1].replace('"', "").split(",") if d])
+                    flops = 2 * int(np.prod(dims(ins.type))) * int(K)
             row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0])
             row[0] += moved * times
             row[1] += flops * times
