@@ -759,9 +759,9 @@ mlp_bf16.defvjp(_mlp_bf16_fwd, lambda res, g: _mlp_bwd_bf16(*res, g))
 
 
 def fp8_dot(a, b, contract, exact=False):
-    """An FP8 GEMM with fp32 output. cuBLASLt accumulates FP8 products imprecisely (fast accumulation,
-    as the reference's forwards ask) unless the dot's precision is HIGHEST: exact=True, the reference's
-    use_fast_accum=False (its head backward)."""
+    """An FP8 GEMM with fp32 output. XLA's cuBLASLt GEMM accumulates FP8 products imprecisely (fast
+    accumulation, as the reference's forwards ask) only at DEFAULT precision: exact=True (HIGHEST) is
+    the reference's use_fast_accum=False (its head backward)."""
     precision = jax.lax.Precision.HIGHEST if exact else None
     return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=F32)
 
@@ -3072,9 +3072,12 @@ XLA_FLAG_DEFAULTS = {"xla_gpu_enable_triton_gemm": "false"}
 
 def backend_defaults(environ=os.environ) -> None:
     """Before JAX starts its backend: the GPU pool's share of memory and XLA_FLAG_DEFAULTS, where the user
-    set none (XLA reads both once, when the backend starts)."""
+    set none (XLA reads both once, when the backend starts). An XLA_FLAGS that names a file of flags (no
+    leading '-', as XLA reads it) is left as it is."""
     environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     flags = environ.get("XLA_FLAGS", "")
+    if flags.strip() and not flags.strip().startswith("-"):
+        return
     named = set(re.findall(r"--(\w+)", flags))
     extra = [f"--{name}={value}" for name, value in XLA_FLAG_DEFAULTS.items() if name not in named]
     if extra:

@@ -152,6 +152,21 @@ def write_tiny_shards(out):
     write_shard(str(out / "synthetic_val_000000.bin"), dense(val))
 
 
+@pytest.fixture(autouse=True)
+def _backend_variables_restored():
+    """train_gpt.main and bench.main run in-process set XLA's start-up variables (backend_defaults) after
+    this worker's backend started, where XLA no longer reads them; XLA_FLAGS would still reach later
+    tests' compile-cache keys (JAX hashes it), so each test leaves both as it found them."""
+    names = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    saved = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def synthetic_shards():
     """The tiny shards (write_tiny_shards), as flags for train_gpt.py."""

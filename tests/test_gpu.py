@@ -56,6 +56,10 @@ sys.path.insert(0, ROOT)  # a case runs as `python tests/test_gpu.py`, outside p
 CHILD_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ, "PYTHONUNBUFFERED": "1"}
 if __name__ != "__main__":  # pytest only asks for the backend's name: it leaves the GPU memory to the cases
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:  # a case starts its backend as a training run does (XLA's flags, the pool), before the line below
+    import train_gpt
+
+    train_gpt.backend_defaults()
 BACKEND = jax.default_backend()  # decided once, at import: the skip costs nothing more
 ON_GPU = BACKEND == "gpu"
 LANE = ON_GPU or os.environ.get("GPU_LANE_ON_CPU") == "1"
@@ -87,13 +91,9 @@ def run_case(*args):
 
     Fails with the child's exit status (or signal) and the tail of its output when it does not
     finish cleanly."""
-    import train_gpt as tg
-
-    env = dict(CHILD_ENV)
-    tg.backend_defaults(env)  # the case's backend starts as a training run's does: XLA's flags, the pool
     cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), *map(str, args)]
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         out, err = ((b or b"").decode(errors="replace") for b in (e.stdout, e.stderr))  # bytes, even with text=True
         pytest.fail(f"case {args} ran past GPU_LANE_TIMEOUT={TIMEOUT}s\n{tails(out, err)}")

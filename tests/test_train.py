@@ -254,6 +254,9 @@ def test_backend_defaults_give_the_gpu_pool_90_percent_and_xla_cublas_gemms_unle
         env = {"XLA_FLAGS": given}
         tg.backend_defaults(env)  # named by the user: theirs
         assert env["XLA_FLAGS"] == given
+    env = {"XLA_FLAGS": "/home/me/xla_flags.txt"}  # XLA reads a value without a leading '-' as a file of flags
+    tg.backend_defaults(env)
+    assert env["XLA_FLAGS"] == "/home/me/xla_flags.txt"
 
 
 def test_the_eta_prices_the_steps_left_by_their_tokens():

@@ -1,8 +1,9 @@
 """Compile the record's programs for an H100 on a machine without a GPU (issue 34's CPU preparation).
 
 XLA compiles for a GPU it does not have through a compile-only topology: the GPU compiler runs whole
-(fusion, buffer assignment, Triton for the Pallas kernels and the GEMM fusions), without autotuning,
-so GEMMs get the compiler's default kernels, not the fastest. Without a GPU this shows:
+(fusion, buffer assignment, Triton for the Pallas kernels), without autotuning, so GEMMs get the
+compiler's default choices, not the fastest; with train_gpt's XLA_FLAG_DEFAULTS, as a training run,
+XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
 
   programs  every train program (one per stage shape) and the validation program of the record
             preset, per attention implementation, compile for sm_90: compile seconds (on this
@@ -307,12 +308,12 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
                 moved, flops = 2 * type_bytes(typ(comp, ins.operands[1])), 0
             else:
                 moved, flops = type_bytes(ins.type) + sum(type_bytes(typ(comp, o)) for o in ins.operands), 0
-                summed = re.search(r'custom_call_target="__cublas.*"lhs_contracting_dimensions":\[([\d",]*)\]', ins.attrs)
                 if pallas_gemm(ins):  # A (M x K) and B (N x K) first: 2·M·N·K
                     (M, K), (N, _) = dims(typ(comp, ins.operands[0])), dims(typ(comp, ins.operands[1]))
                     flops = 2 * M * N * K
-                elif summed:  # a cuBLAS GEMM: 2 · its result's elements · the lhs dimensions it sums over
-                    lhs = dims(typ(comp, ins.operands[0]))
+                elif summed := re.search(r'custom_call_target="__cublas.*"lhs_contracting_dimensions":\[([\d",]*)\]',
+                                         ins.attrs):
+                    lhs = dims(typ(comp, ins.operands[0]))  # cuBLAS's: 2 · result elements · lhs dims summed
                     K = np.prod([lhs[int(d)] for d in summed[1].replace('"', "").split(",") if d])
                     flops = 2 * int(np.prod(dims(ins.type))) * int(K)
             row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0])

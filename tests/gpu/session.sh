@@ -13,26 +13,26 @@
 # again) finds XLA's autotuning results and kernels there; "this call's cache" below is then DIR's,
 # empty only if DIR was.
 #
-#   OUT=$OUT/a BUDGET_S=300 tests/gpu/session.sh short-pallas profile-pallas; MLP=pallas HEAD=pallas \
-#   OUT=$OUT/b BUDGET_S=90 tests/gpu/session.sh profile-pallas
-#                          # call 1 (timeout_s 400): the short run with XLA's GEMMs from cuBLAS (train_gpt's
+#   OUT=$OUT/a BUDGET_S=220 tests/gpu/session.sh short-pallas profile-pallas; MLP=pallas HEAD=pallas \
+#   OUT=$OUT/b BUDGET_S=80 tests/gpu/session.sh profile-pallas
+#                          # call 1 (timeout_s 320): the short run with XLA's GEMMs from cuBLAS (train_gpt's
 #                          # default since 2026-11-27, when XLA's Triton GEMM for Muon's product faulted
 #                          # with CUDA_ERROR_ILLEGAL_INSTRUCTION; on one H200 without them the run went to
 #                          # its end: 309 / 591 / 874 ms a stage, compile 76 s), now with the head gradient's
 #                          # transpose a copy of its own and the head backward's FP8 GEMMs without fast
 #                          # accumulation (both untimed); the last stage's step profiled, then with the
 #                          # Pallas GEMM kernels (854 ms against 889 on that H200)
+#   OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
+#                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40): the lane
+#                          # (211 s with 4 processes on 2026-11-27); its MLP and head cases now say which
+#                          # path a difference comes from (xla_post_ulps, post_differ; pallas/xla_ulps_f64)
 #   XLA_FLAGS="--xla_gpu_enable_triton_gemm=true --xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" \
 #   OUT=$OUT BUDGET_S=230 tests/gpu/session.sh short-pallas
-#                          # call 2 at once (status first): XLA's Triton GEMMs back without PDL launches (both
-#                          # flags accepted by jax 0.11.2's XLA; which one governs the launch is not known): a
-#                          # run to its end would point at PDL rather than TMA (with both on, two of two
-#                          # compiles faulted), and times the Triton GEMMs' 7-10% (282 against 309 ms at
-#                          # stage 0)
-#   OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
-#                          # call 3 at once (BUDGET_S at most budget_left_s - 40): the lane (211 s with 4
-#                          # processes on 2026-11-27); its MLP and head cases now say which path a
-#                          # difference comes from (xla_post_ulps, post_differ; pallas/xla_ulps_f64)
+#                          # call 3 at once if budget_left_s - 40 holds it: XLA's Triton GEMMs back without
+#                          # PDL launches (both flags accepted by jax 0.11.2's XLA; which one governs the
+#                          # launch is not known): a run to its end would point at PDL rather than TMA (with
+#                          # both on, two of two compiles faulted), and times the Triton GEMMs' 7-10% (282
+#                          # against 309 ms at stage 0)
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
