@@ -439,6 +439,32 @@ def test_fp8_dots_in_triton_kernels_accumulate_as_triton_does_on_hopper():
         tt.dot = patched
 
 
+def test_the_fp8_heads_backward_dots_ask_for_exact_accumulation_and_its_forward_for_fast():
+    """The reference's head: forward use_fast_accum=True, backward False. XLA's cuBLASLt FP8 GEMM
+    accumulates fast only at DEFAULT precision, so the backward's two FP8 dots are HIGHEST, the forward's
+    DEFAULT (read from the gradient's jaxpr: the dots whose operands are e4m3/e5m2)."""
+    from jax.extend import core as jax_core
+
+    T, D, V = 16, 8, 32
+    cols, ws, total = m._loss_targets(jnp.zeros(T, jnp.int32), jnp.ones(1, F32), jnp.full(T, -1, jnp.int32),
+                                      jnp.float32(0), V)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: m.train_head_loss(x, w, cols, ws, total)[0], argnums=(0, 1)))(
+        jnp.ones((T, D), BF16), jnp.ones((D, V), BF16))
+
+    def fp8_dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and "float8" in str(eqn.invars[0].aval.dtype):
+                yield eqn.params["precision"], {str(v.aval.dtype) for v in eqn.invars}
+            for sub in jax_core.jaxprs_in_params(eqn.params):
+                yield from fp8_dots(sub)
+
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    dots = list(fp8_dots(jaxpr.jaxpr))
+    assert [p for p, _ in dots if p != highest] == [None]  # the forward's logits
+    assert sorted(sorted(types) for p, types in dots if p == highest) == [
+        ["float8_e4m3fn", "float8_e5m2"], ["float8_e4m3fn", "float8_e5m2"]]  # dx: g · w, dW: x · g
+
+
 def test_bf16_rounded_rounds_as_a_bf16_cast_and_keeps_infinities_and_nans():
     import ml_dtypes
     rng = np.random.default_rng()
