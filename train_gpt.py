@@ -61,6 +61,7 @@ NUM_HEADS = 6
 RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever the device count
 E4M3_MAX = 448.0
 GEMM_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp, --head: GEMMs with their epilogues in XLA or Pallas kernels
+AUTO_FIELDS = ("attention", "mlp", "head")  # the flags whose default, auto, picks by backend (auto_implementation)
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
 
 
@@ -96,10 +97,10 @@ class Hyperparameters:
     # model (layers and heads are fixed: NUM_LAYERS, NUM_HEADS)
     vocab_size: int = 50257  # padded to a multiple of 128 (50304)
     head_dim: int = 128  # model_dim = 6 x head_dim
-    attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU);
-    # the command line's default, auto, picks pallas on GPUs (auto_attention)
-    mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" or "pallas" (fused epilogues; not yet timed)
-    head: str = "xla"  # the FP8 head's logits and log-sum-exp: "xla" or "pallas" (one kernel; not yet timed)
+    attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU)
+    mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" (XLA's GEMMs and passes) or "pallas" (fused epilogues)
+    head: str = "xla"  # the FP8 head's logits and log-sum-exp: "xla" or "pallas" (one kernel)
+    # (the command line's default for these three, auto, picks pallas on GPUs: auto_implementation)
     bigram_vocab_size: int = 50304 * 15 // 2  # hash buckets; the last one is position 0's
     bigram_sign_rows: int = 8192
     # schedule
@@ -2971,15 +2972,13 @@ def parse_args(argv=None):
     hyper = parser.add_argument_group("hyperparameters (defaults: those of the chosen preset)")
     for field in FLAG_FIELDS:
         flag = "--" + field.name.replace("_", "-")
-        if field.name == "attention":
+        if field.name in AUTO_FIELDS:
+            what = {"attention": "the attention: pure JAX, or fused Pallas kernels", "mlp": "the FP8 MLP's up "
+                    "projection and backward dpre", "head": "the FP8 head's logits and their log-sum-exp"}[field.name]
+            if field.name != "attention":
+                what += ": XLA's GEMMs and passes, or Pallas GEMM kernels with fused epilogues"
             hyper.add_argument(flag, choices=("auto", "xla", "pallas"),
-                               help="auto (default): pallas on GPUs, xla elsewhere")
-            continue
-        if field.name in ("mlp", "head"):
-            what = {"mlp": "the FP8 MLP's up projection and backward dpre", "head": "the FP8 head's logits and their "
-                    "log-sum-exp"}[field.name]
-            hyper.add_argument(flag, choices=GEMM_IMPLEMENTATIONS, help=f"{what}: XLA's GEMMs and passes (default), or "
-                               "Pallas GEMM kernels with fused epilogues (interpreted, slowly, on CPU)")
+                               help=f"{what}; auto (default): pallas on GPUs, xla elsewhere (Pallas interprets, slowly)")
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):
@@ -3011,8 +3010,9 @@ def parse_args(argv=None):
         hint += "".join(f" (did you mean {' or '.join(m)} for {arg}?)" for arg, m in near.items() if m)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     overrides = {f.name: getattr(args, f.name) for f in FLAG_FIELDS if getattr(args, f.name) is not None}
-    if overrides.get("attention") == "auto":  # main's to resolve (auto_attention)
-        del overrides["attention"]
+    for name in AUTO_FIELDS:  # main's to resolve (auto_implementation)
+        if overrides.get(name) == "auto":
+            del overrides[name]
     return args, overrides
 
 
@@ -3084,9 +3084,11 @@ def backend_defaults(environ=os.environ) -> None:
         environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
-def auto_attention() -> str:
-    """--attention auto: the fused kernels on GPUs, where they were measured faster at every stage (one H200,
-    2026-11-26: 297 / 570 / 847 ms a step against XLA's 384 / 894 / 1,688), XLA elsewhere (Pallas interprets)."""
+def auto_implementation() -> str:
+    """--attention, --mlp and --head auto: the Pallas kernels on GPUs, where they were measured faster at every
+    stage (one H200: attention, 2026-11-26, 297 / 570 / 847 ms a step against XLA's 384 / 894 / 1,688; then
+    the MLP's and the head's, 2026-11-27, 280 / 542 / 805 ms against 291 / 560 / 832, 10 GB less memory),
+    XLA elsewhere (Pallas interprets)."""
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
@@ -3101,13 +3103,15 @@ def main(argv=None) -> int:
             start_distributed(settings)
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
         if not args.check:  # (the options' verdict does not depend on it)
-            overrides.setdefault("attention", auto_attention())
+            for name in AUTO_FIELDS:
+                overrides.setdefault(name, auto_implementation())
         hp = with_stage_flags(dataclasses.replace(PRESETS[preset], **overrides), args)
         if args.check:
             check_outputs(hp.records_dir, args.save_weights)
             return 0
         for what, value, chosen in [("preset", preset, args.preset is None),
-                                    ("attention", hp.attention, args.attention in (None, "auto"))]:
+                                    *((name, getattr(hp, name), getattr(args, name) in (None, "auto"))
+                                      for name in AUTO_FIELDS)]:
             if chosen and jax.process_index() == 0:
                 print(f"{what} {value} (chosen because the JAX backend is {jax.default_backend()}; pass --{what} "
                       f"to choose)", flush=True)

@@ -24,7 +24,8 @@ Bisecting a crash: the children inherit the environment, so XLA_FLAGS (`--xla_du
 `--xla_gpu_enable_triton_gemm=true`, `--xla_gpu_autotune_level=0`, ...), CUDA_LAUNCH_BLOCKING=1
 or JAX_* settings given to pytest apply to every case, on top of train_gpt.backend_defaults (XLA's
 Triton GEMMs off unless XLA_FLAGS names that flag), which a training run starts with too.
-GPU_LANE_TIMEOUT (seconds, default 900) bounds each child.
+GPU_LANE_TIMEOUT (seconds, default 900) bounds each child. GPU_LANE_RESULTS=FILE appends each case's
+RESULT to FILE as the case ends, passed or not (pytest prints a passed case's output nowhere).
 
 GPU_LANE_ON_CPU=1 dry-runs the lane's logic on CPU at small shapes (cpu preset with T = 256 for
 training; T = 4,096 for attention). XLA:CPU has no FP8 GEMM, so there the HLO case asserts the
@@ -102,6 +103,9 @@ def run_case(*args):
         pytest.fail(f"case {args} failed with {how}\n{tails(p.stdout, p.stderr)}")
     results = [line[len("RESULT "):] for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     assert results, f"case {args} printed no RESULT line\n{tails(p.stdout, p.stderr)}"
+    if os.environ.get("GPU_LANE_RESULTS"):  # a case's numbers, passed or failed, as it ends (one line each)
+        with open(os.environ["GPU_LANE_RESULTS"], "a") as f:
+            f.write(json.dumps({"case": [str(a) for a in args], "result": json.loads(results[-1])}) + "\n")
     return json.loads(results[-1])
 
 
@@ -170,9 +174,12 @@ def case_train(preset: str, T: int, out_dir: str) -> dict:
 
 
 @lane
-def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path):
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path, impl):
+    if impl == "pallas" and not ON_GPU:
+        pytest.skip("the dry run checks the XLA path's matmuls (interpreted, Pallas kernels are no GEMM calls)")
     hlo_file = tmp_path / "train_step.hlo.txt"
-    run_case("hlo", PRESET, TRAIN_T, hlo_file)
+    run_case("hlo", PRESET, TRAIN_T, hlo_file, impl)
     text = hlo_file.read_text()
     sites, problems = fp8_gemm_problems(text, PADDED_VOCAB)
     mlp = fp8_mlp_gemms(text, MLP_HIDDEN)
@@ -187,14 +194,20 @@ def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path):
     assert len(mlp) >= 2 * 11, ("\n".join(f"  {g}" for g in mlp) + f"\n(HLO text: {hlo_file})")
     # the head reads its bf16 logits in two passes and writes nothing else of their size but the gradient
     extra = head_logit_passes(text, PADDED_VOCAB, TRAIN_T)
+    if impl == "xla":  # cuBLASLt's FP8 GEMM writes the logits in fp32, a pass makes them bf16: XLA gives an
+        # FP8 GEMM a bf16 output only with bf16 scales, not the reference's fp32 ones (README, Design notes)
+        cublas_f32 = [e for e in extra if "custom-call writes f32[" in e]
+        rounding = [e for e in extra if "fusion writes bf16[" in e]
+        assert len(cublas_f32) <= 1 and len(rounding) <= len(cublas_f32), extra
+        extra = [e for e in extra if e not in cublas_f32 + rounding]
     assert not extra, "\n".join(extra) + f"\n(HLO text: {hlo_file})"
     print(f"{len(sites)} head matmuls, all FP8 GEMMs:\n{listing}\n{len(mlp)} FP8 MLP GEMMs")
 
 
-def case_hlo(preset: str, T: int, out_file: str) -> dict:
+def case_hlo(preset: str, T: int, out_file: str, impl: str) -> dict:
     import train_gpt as tg
 
-    hp = lane_hp(preset, T)
+    hp = lane_hp(preset, T, mlp=impl, head=impl)
     mesh = tg.make_mesh(jax.devices()[:1])
     state = tg.initial_state(hp, mesh)
     prefix_V = jnp.asarray(tg.prefix_table(hp.padded_vocab))
@@ -1186,10 +1199,15 @@ def test_mlp_kernels_match_float64_and_the_xla_path():
     # in units of 2^-8 of a value, as in tests/test_model.py: relu(pre) may round to the other neighbour
     # (its fp32 sum differs from float64's), up to 2 units (a bf16 ulp is 2^-7 to 2^-8 of a value), which
     # the square doubles, then post's own rounding; dpre: c's other neighbour and its own rounding
-    assert result["post_ulps"] <= 5 and result["dpre_ulps"] <= 3, result
+    assert result["post_ulps"] <= 5 and result["dpre_ulps"] <= 3 and result["xla_post_ulps"] <= 5, result
     assert result["post_f8_exact"] and result["amax_exact"], result
-    for name in ("out", "amax", "dx", "dw1", "dw2"):
-        assert result[f"{name}_vs_xla"] <= 1e-3, result
+    # against the XLA path: its FP8 GEMM accumulates in another order, so its post is as far from float64
+    # (xla_post_ulps) but rounds to the other bf16 neighbour in places (2026-11-27, one H200: 5.1% of
+    # post). There the e4m3 copy may take its other neighbour, an e4m3 step (2^-3 of a value), rarely:
+    # out within 2^-5 in norm (0.0074 that day); the bf16 backward within a bf16 step (2^-7; 0.0034)
+    assert result["out_vs_xla"] <= 2.0**-5, result
+    for name in ("amax", "dx", "dw1", "dw2"):
+        assert result[f"{name}_vs_xla"] <= 2.0**-7, result
 
 
 def case_mlp(T: int) -> dict:
@@ -1251,13 +1269,21 @@ def case_mlp(T: int) -> dict:
 def test_head_kernel_matches_the_xla_path():
     result = run_case("head", ATTENTION_T)
     print(result)
-    # the logits: the two GEMMs sum in other orders (cuBLASLt's FP8 accumulation is not Triton's), so a
-    # logit may round to its other bf16 neighbour, never further, and rarely
-    assert result["u_max_ulps"] <= 1 and result["u_differ"] <= 0.05, result
-    assert result["lse_max_diff"] <= 1e-4, result  # a flipped logit is one of 50,304 terms
-    # a flipped target logit moves its z = 23·bf16(sigmoid) by one bf16 step of the sigmoid, 23·2^-8 at
-    # most (2026-11-27, H100: a per-token loss 0.0899 apart, one weight-1 target), times the target's weight
-    assert result["loss_max_diff"] <= result["weight_max"] * 23 * 2.0**-8 + 1e-4, result
+    # each path's logits against the exact product of its e4m3 operands: the bf16 rounding, plus what FP8
+    # accumulation drops (cuBLASLt's fast accumulation, the kernel's imprecise one); both paths' logits
+    # differ from each other in most places on a GPU (2026-11-27, one H200: 2.95 and 1.45 bf16 steps
+    # from exact at most, so up to 5 apart), which is why the paths are not compared logit by logit
+    assert result["pallas_acc_excess"] <= 1 and result["xla_acc_excess"] <= 1, result
+    # each path's normaliser against float64's of its own logits: fp32 sums, and a sigmoid that rounds to
+    # the other bf16 neighbour where fp32's and float64's straddle a midpoint (23·2^-8/V each), rarely
+    assert result["pallas_lse_vs_f64"] <= 5e-5 and result["xla_lse_vs_f64"] <= 5e-5, result
+    # between the paths: a z whose logits round apart may take the sigmoid's other bf16 neighbour
+    # (23·2^-8), with either sign; z is nearly flat (softmax weights near 1/V): 5 sd if every z flips
+    lse_bound = 5 * 23 * 2.0**-8 / np.sqrt(50304)
+    assert result["lse_max_diff"] <= lse_bound, result
+    # a target's z, so its loss, moves by one such step at most, times the target's weight (2026-11-27,
+    # H100: a per-token loss 0.0899 apart, one weight-1 target); the normaliser's difference beside it
+    assert result["loss_max_diff"] <= result["weight_max"] * (23 * 2.0**-8 + lse_bound), result
     assert result["loss_mean_diff"] <= 1e-3, result
     for name in ("dx", "dw"):  # e5m2 gradients: a logit rounding the other way may flip one, rarely
         assert result[f"{name}_vs_xla"] <= 1e-2, result
@@ -1294,7 +1320,10 @@ def case_head(T: int) -> dict:
         x_f8 = (x.astype(jnp.float32) / np.float32(tg.LM_HEAD_X_S)).astype(tg.E4M3)
         w_f8 = (w.astype(jnp.float32) / np.float32(tg.LM_HEAD_W_S)).astype(tg.E4M3)
         u_p, lse_p = tg.pallas_head_logits(x_f8, w_f8.T)
-        u_x = tg._fp8_logits(x_f8, w_f8)
+        # through a barrier, as the train program keeps them: else XLA's GPU compiler feeds the fp32 GEMM
+        # output to the consumers below, without the bf16 rounding (excess precision; 2026-11-27, one
+        # H200: 99.8% of the logits apart, against 11% when Triton's GEMM wrote bf16)
+        u_x = jax.lax.optimization_barrier(tg._fp8_logits(x_f8, w_f8))
         lse_x = tg._capped_lse(np.float32(tg.SOFTCAP_A) * tg._softcap_sig(u_x))
         u_p, u_x = u_p.astype(jnp.float32), u_x.astype(jnp.float32)
         power = jax.lax.bitcast_convert_type(  # 2^exponent of each logit: bf16's step there is 2^-7 of it
@@ -1303,19 +1332,34 @@ def case_head(T: int) -> dict:
         # to near zero is off by more than a step of its tiny result (on CPU: 3 steps at 2^-17)
         ulps = jnp.abs(u_p - u_x) / (jnp.maximum(power, np.float32(2.0**-6)) * np.float32(2.0**-7))
         return (jnp.mean(u_p != u_x), jnp.max(ulps), jnp.max(jnp.abs(lse_p - lse_x)), x_f8[rows], w_f8,
-                u_p[rows], u_x[rows])
+                u_p[rows], u_x[rows], lse_p[rows], lse_x[rows])
 
-    u_differ, u_max_ulps, lse_max_diff, x_f8, w_f8, u_p, u_x = logits(x, w)
+    u_differ, u_max_ulps, lse_max_diff, x_f8, w_f8, u_p, u_x, lse_p, lse_x = logits(x, w)
     # each path's logits on 64 rows against the exact (float64) product of the same e4m3 operands, in
     # bf16 steps (floor as above): 0.5 is correct rounding; more is the GEMM's FP8 accumulation
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
-    exact = f64(x_f8) @ f64(w_f8) * float(tg.LM_HEAD_U_S)
-    step = 2.0 ** np.floor(np.log2(np.maximum(np.abs(exact), 2.0**-6))) * 2.0**-7
-    f64_ulps = {f"{name}_ulps_f64": float(np.max(np.abs(f64(u) - exact) / step))
-                for name, u in (("pallas", u_p), ("xla", u_x))}
+    x64, w64, u_scale = f64(x_f8), f64(w_f8), float(tg.LM_HEAD_U_S)
+    exact = x64 @ w64 * u_scale
+    step = lambda a: 2.0 ** np.floor(np.log2(np.maximum(np.abs(a), 2.0**-6))) * 2.0**-7  # noqa: E731
+    # FP8 tensor-core accumulation keeps about 14 significant bits (DeepSeek-V3 report, section 3.3.2):
+    # each of the D/32 additions of a 32-deep MMA into the running sum may drop 2^-13 of it, at most
+    # sum_k |x_k w_k|; the excess over the rounding, as a fraction of that allowance (1: all of it)
+    allowance = (D // 32) * 2.0**-13 * (np.abs(x64) @ np.abs(w64)) * u_scale
+    report = {}
+    for name, u, lse in (("pallas", u_p, lse_p), ("xla", u_x, lse_x)):
+        u = f64(u)
+        report[f"{name}_ulps_f64"] = float(np.max(np.abs(u - exact) / step(exact)))
+        rounding = 0.5 * step(np.maximum(np.abs(u), np.abs(exact)))
+        report[f"{name}_acc_excess"] = float(np.max((np.abs(u - exact) - rounding) / allowance))
+        # the normaliser of the path's own logits in float64: z = A·bf16(sigmoid((u + B)/C))
+        sig = 1 / (1 + np.exp(-(u + tg.SOFTCAP_B) / tg.SOFTCAP_C))
+        z = tg.SOFTCAP_A * f64(jnp.asarray(sig.astype(np.float32), jnp.bfloat16))
+        top = z.max(axis=1, keepdims=True)
+        lse64 = top[:, 0] + np.log(np.sum(np.exp(z - top), axis=1))
+        report[f"{name}_lse_vs_f64"] = float(np.max(np.abs(f64(lse) - lse64)))
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
     u_differ, u_max_ulps, lse_max_diff = (float(a) for a in (u_differ, u_max_ulps, lse_max_diff))
-    return {"T": T, "seed": seed, "u_differ": u_differ, "u_max_ulps": u_max_ulps, **f64_ulps,
+    return {"T": T, "seed": seed, "u_differ": u_differ, "u_max_ulps": u_max_ulps, **report,
             "lse_max_diff": lse_max_diff,
             "loss_max_diff": float(np.max(np.abs(lp - lx))),
             "loss_mean_diff": float(np.mean(np.abs(lp - lx))), "weight_max": float(np.max(np.sum(np.asarray(ws), axis=1))),
@@ -1434,6 +1478,20 @@ if sys.argv[1] == "train_gpt.py":
     ((lane_argv, lane_env),) = (json.loads(line) for line in calls.read_text().splitlines())
     assert lane_argv[:2] == ["-m", "pytest"] and lane_argv[lane_argv.index("-n") + 1] == "3"
     assert lane_env["FAILURES_AT_ONCE"] == "1" and 100 <= int(lane_env["GPU_LANE_TIMEOUT"]) <= 200 - 25 - 30
+    assert lane_env["GPU_LANE_RESULTS"].endswith("/lane-results.jsonl")  # in the piece's output, packed
+
+
+def test_a_case_result_is_kept_in_gpu_lane_results_as_it_ends(tmp_path, monkeypatch):
+    kept = tmp_path / "results.jsonl"
+    monkeypatch.setenv("GPU_LANE_RESULTS", str(kept))
+    child = tmp_path / "child.py"  # stands in for this file as the child: prints a RESULT line
+    child.write_text('import json, sys\nprint("noise")\nprint("RESULT " + json.dumps({"args": sys.argv[1:]}))\n')
+    monkeypatch.setattr(sys.modules[__name__], "__file__", str(child))
+    assert run_case("mlp", 512) == {"args": ["mlp", "512"]}
+    assert run_case("head", 64) == {"args": ["head", "64"]}
+    lines = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert lines == [{"case": ["mlp", "512"], "result": {"args": ["mlp", "512"]}},
+                     {"case": ["head", "64"], "result": {"args": ["head", "64"]}}]
 
 
 # A program as XLA dumps it after optimization (--xla_dump_hlo_as_text), cut down: a fusion whose kernel
@@ -1509,7 +1567,7 @@ def test_compile_only_script_says_how_to_install_the_cuda_plugin_it_needs():
 
 # ---------------------------------------------------------------------------------------------
 
-CASES = {"train": (case_train, (str, int, str)), "hlo": (case_hlo, (str, int, str)),
+CASES = {"train": (case_train, (str, int, str)), "hlo": (case_hlo, (str, int, str, str)),
          "attention": (case_attention, (str, int, int, int)), "mlp": (case_mlp, (int,)),
          "head": (case_head, (int,))}
 

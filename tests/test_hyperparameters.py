@@ -77,20 +77,23 @@ def test_check_answers_for_the_options_alone(tmp_path, capsys):
     assert err.splitlines()[0].endswith(" [options]  (--help lists them)") and len(err.splitlines()) == 2
 
 
-def test_attention_auto_is_pallas_on_gpus_and_xla_elsewhere_and_says_so(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("flag", ["attention", "mlp", "head"])
+def test_auto_is_pallas_on_gpus_and_xla_elsewhere_and_says_so(monkeypatch, capsys, tmp_path, flag):
     seen = []
     monkeypatch.setattr(tg, "train", lambda hp, *rest: seen.append(hp))
     argv = ["--preset", "cpu", "--compile-cache-dir", "", "--records-dir", str(tmp_path)]
-    for backend, flags, expect in [("cpu", [], "xla"), ("gpu", [], "pallas"), ("gpu", ["--attention", "auto"], "pallas"),
-                                   ("gpu", ["--attention", "xla"], "xla"), ("cpu", ["--attention", "pallas"], "pallas")]:
+    option = f"--{flag}"
+    for backend, flags, expect in [("cpu", [], "xla"), ("gpu", [], "pallas"), ("gpu", [option, "auto"], "pallas"),
+                                   ("gpu", [option, "xla"], "xla"), ("cpu", [option, "pallas"], "pallas")]:
         monkeypatch.setattr(tg.jax, "default_backend", lambda: backend)
         assert tg.main([*argv, *flags]) == 0
-        assert seen[-1].attention == expect, (backend, flags)
-        said = f"attention {expect} (chosen because the JAX backend is {backend}; pass --attention to choose)"
-        assert (said in capsys.readouterr().out) == (flags in ([], ["--attention", "auto"])), (backend, flags)
-    assert tg.parse_args(["--attention", "auto"])[1] == {} and tg.parse_args(["--attention", "xla"])[1] == {
-        "attention": "xla"}
-    assert tg.parse_args(["--records-dir", "auto"])[1] == {"records_dir": "auto"}  # only --attention's auto is main's
+        assert getattr(seen[-1], flag) == expect, (backend, flags)
+        said = f"{flag} {expect} (chosen because the JAX backend is {backend}; pass {option} to choose)"
+        assert (said in capsys.readouterr().out) == (flags in ([], [option, "auto"])), (backend, flags)
+        others = [name for name in tg.AUTO_FIELDS if name != flag]  # each flag on its own: the others stay auto
+        assert all(getattr(seen[-1], name) == ("pallas" if backend == "gpu" else "xla") for name in others)
+    assert tg.parse_args([option, "auto"])[1] == {} and tg.parse_args([option, "xla"])[1] == {flag: "xla"}
+    assert tg.parse_args(["--records-dir", "auto"])[1] == {"records_dir": "auto"}  # only these flags' auto is main's
 
 
 def test_stage_flags_change_only_their_field():

@@ -13,32 +13,23 @@
 # again) finds XLA's autotuning results and kernels there; "this call's cache" below is then DIR's,
 # empty only if DIR was.
 #
-#   OUT=$OUT/a BUDGET_S=220 tests/gpu/session.sh short-pallas profile-pallas; MLP=pallas HEAD=pallas \
-#   OUT=$OUT/b BUDGET_S=80 tests/gpu/session.sh profile-pallas
-#                          # call 1 (timeout_s 320): the short run with XLA's GEMMs from cuBLAS (train_gpt's
-#                          # default since 2026-11-27, when XLA's Triton GEMM for Muon's product faulted
-#                          # with CUDA_ERROR_ILLEGAL_INSTRUCTION; on one H200 without them the run went to
-#                          # its end: 309 / 591 / 874 ms a stage, compile 76 s), now with the head gradient's
-#                          # transpose a copy of its own and the head backward's FP8 GEMMs without fast
-#                          # accumulation (both untimed); the last stage's step profiled, then with the
-#                          # Pallas GEMM kernels (854 ms against 889 on that H200)
-#   OUT=$OUT BUDGET_S=240 tests/gpu/session.sh lane
+#   OUT=$OUT/a BUDGET_S=300 tests/gpu/session.sh short-pallas profile-pallas
+#                          # call 1 (timeout_s 340): the default short run (the Pallas kernels for attention,
+#                          # MLP and head on GPUs since 2026-11-27; one H200: 479K tokens/s, compile 34 s),
+#                          # above all on an H100, where none has ended yet (the goal: 490K tokens/s), and
+#                          # the last stage's step profiled
+#   OUT=$OUT BUDGET_S=260 tests/gpu/session.sh lane
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40): the lane
-#                          # (211 s with 4 processes on 2026-11-27); its MLP and head cases now say which
-#                          # path a difference comes from (xla_post_ulps, post_differ; pallas/xla_ulps_f64)
-#   XLA_FLAGS="--xla_gpu_enable_triton_gemm=true --xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" \
-#   OUT=$OUT BUDGET_S=230 tests/gpu/session.sh short-pallas
-#                          # call 3 at once if budget_left_s - 40 holds it: XLA's Triton GEMMs back without
-#                          # PDL launches (both flags accepted by jax 0.11.2's XLA; which one governs the
-#                          # launch is not known): a run to its end would point at PDL rather than TMA (with
-#                          # both on, two of two compiles faulted), and times the Triton GEMMs' 7-10% (282
-#                          # against 309 ms at stage 0)
+#                          # (85 s on an H200, over 115 s on an H100, 2026-11-27), each case's numbers kept
+#   MLP=xla HEAD=xla OUT=$OUT/x BUDGET_S=150 tests/gpu/session.sh short-pallas
+#                          # call 3 if budget_left_s - 40 holds it: the same machine's XLA MLP and head
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
 # Pieces:
 #   lane            python3 -m pytest -v -n 4 tests/test_gpu.py: the cases in 4 processes at once
 #                   (GPU_LANE_WORKERS; 2026-11-26, one at a time, the lane did not fit 245 s), each case's
+#                   numbers in lane-results.jsonl as it ends (GPU_LANE_RESULTS), each case's
 #                   child process under GPU_LANE_TIMEOUT (default: 420 s, or 30 s less than the piece has)
 #                   and without preallocating the GPU's memory, a line per test as it ends and a failure's
 #                   reason at once (FAILURES_AT_ONCE, tests/conftest.py), not only in the summary a limit
@@ -72,9 +63,9 @@
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
 # tokens_per_s, compile_s) of the record logs in rec/ of the packed output, and each stage's step time
-# (records/logs.py, printed into session.txt after the run). MLP=pallas and HEAD=pallas
-# give the short runs, the profiles and the bench suite --mlp pallas and --head pallas (the GEMM
-# kernels with fused epilogues; default xla).
+# (records/logs.py, printed into session.txt after the run). MLP and HEAD (auto, xla, pallas) give
+# the short runs, the profiles and the bench suite --mlp and --head (default auto: on a GPU pallas,
+# the GEMM kernels with fused epilogues; xla: XLA's GEMMs and passes).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
@@ -86,7 +77,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DATA=${GPU_SESSION_DATA:-}
-MLP=${MLP:-xla} HEAD=${HEAD:-xla}  # train_gpt.py's and bench.py's --mlp, --head in the short runs, profiles, bench
+MLP=${MLP:-auto} HEAD=${HEAD:-auto}  # train_gpt.py's and bench.py's --mlp, --head in the short runs, profiles, bench
 # the kernels' defaults (fwd 128/8/2, dq and dkv 64/8/2) and neighbours that compile for an H100 without
 # register spills (tests/gpu/aot.py --sweep, 2026-11-25: every 4-warp configuration but fwd 32/4 spills, so
 # does dkv 128/8; tile 128 with 3-4 stages (fwd: 4) exceeds the shared memory)
@@ -100,8 +91,8 @@ SWEEP_DEFAULT+=,head:128x128x128/8/3,head:128x128x128/8/4,head:128x256x128/8/3,h
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
 PIECES="lane short-xla short-pallas crash-xla crash-pallas short-record20 profile-xla profile-pallas bench sweep"
-if ! [[ " xla pallas " == *" $MLP "* && " xla pallas " == *" $HEAD "* ]]; then
-    echo "tests/gpu/session.sh: MLP=$MLP HEAD=$HEAD: choose xla or pallas for each (train_gpt.py --mlp, --head)" >&2
+if ! [[ " auto xla pallas " == *" $MLP "* && " auto xla pallas " == *" $HEAD "* ]]; then
+    echo "tests/gpu/session.sh: MLP=$MLP HEAD=$HEAD: choose auto, xla or pallas for each (train_gpt.py --mlp, --head)" >&2
     exit 2
 fi
 if ! [[ "$BUDGET_S" =~ ^[0-9]+$ ]]; then
@@ -168,7 +159,8 @@ for p in "$@"; do
             # runs this script); a case's own limit ends before the piece's, so that a slow case fails alone
             case_s=$((BUDGET_S - SECONDS - PACKING_S - 30))
             [ "$case_s" -gt 420 ] && case_s=420
-            piece lane 540 env GPU_LANE_TIMEOUT="${GPU_LANE_TIMEOUT:-$case_s}" FAILURES_AT_ONCE=1 "$PY" -m pytest -v \
+            piece lane 540 env GPU_LANE_TIMEOUT="${GPU_LANE_TIMEOUT:-$case_s}" FAILURES_AT_ONCE=1 \
+                GPU_LANE_RESULTS="$RUN/lane-results.jsonl" "$PY" -m pytest -v \
                 -rfE --tb=short -n "${GPU_LANE_WORKERS:-4}" tests/test_gpu.py -k "not session_script" ;;
         short-xla|short-pallas)
             shards
