@@ -11,7 +11,8 @@ tail and leaves the others running:
                            the end (final windows) on the shards in DIR/shards; by hand, write them
                            first: python data/synthetic.py --out DIR/shards --train-tokens
                            112(T+1000) --val-tokens 8T+2 (with T's value)
-  hlo PRESET T FILE        the compiled train program of the last stage (chunks of T), HLO text to FILE
+  hlo PRESET T FILE IMPL   the compiled train program of the last stage (chunks of T) with --mlp IMPL and
+                           --head IMPL (xla, pallas), HLO text to FILE
   attention IMPL W T H     tg.ATTENTION[IMPL] forward and gradients at T tokens, H heads of the
                            record's 128, window W tokens, against a dense fp32 reference on 4 query
                            blocks (H = 3 with 2T: the paired layers' doubled sequence)
@@ -162,7 +163,8 @@ def case_train(preset: str, T: int, out_dir: str) -> dict:
 
     hp = lane_hp(preset, T, train_files=os.path.join(out_dir, "shards", "synthetic_train_*.bin"),
                  val_files=os.path.join(out_dir, "shards", "synthetic_val_*.bin"),
-                 records_dir=os.path.join(out_dir, "records"))
+                 records_dir=os.path.join(out_dir, "records"),
+                 **{name: tg.auto_implementation() for name in tg.AUTO_FIELDS})  # what a user's run takes
     windows = [tg.windows(step, hp, final_val=step == hp.total_steps) for step in (0, 3, 6, 7)]
     print(f"(short, long) windows at the validations: {windows}", flush=True)
     summary = tg.train(hp, preset, tg.make_mesh())
@@ -1199,14 +1201,15 @@ def test_mlp_kernels_match_float64_and_the_xla_path():
     # in units of 2^-8 of a value, as in tests/test_model.py: relu(pre) may round to the other neighbour
     # (its fp32 sum differs from float64's), up to 2 units (a bf16 ulp is 2^-7 to 2^-8 of a value), which
     # the square doubles, then post's own rounding; dpre: c's other neighbour and its own rounding
-    assert result["post_ulps"] <= 5 and result["dpre_ulps"] <= 3 and result["xla_post_ulps"] <= 5, result
+    assert result["post_ulps"] <= 5 and result["dpre_ulps"] <= 3, result
     assert result["post_f8_exact"] and result["amax_exact"], result
     # against the XLA path: its FP8 GEMM accumulates in another order, so its post is as far from float64
     # (xla_post_ulps) but rounds to the other bf16 neighbour in places (2026-11-27, one H200: 5.1% of
     # post). There the e4m3 copy may take its other neighbour, an e4m3 step (2^-3 of a value), rarely:
-    # out within 2^-5 in norm (0.0074 that day); the bf16 backward within a bf16 step (2^-7; 0.0034)
-    assert result["out_vs_xla"] <= 2.0**-5, result
-    for name in ("amax", "dx", "dw1", "dw2"):
+    # out within 2^-5 in norm (0.0074 that day); amax, post's largest value, within its doubled pre
+    # step and own rounding (2^-6 + 2^-8); the bf16 backward within a bf16 step (2^-7; 0.0034 that day)
+    assert result["out_vs_xla"] <= 2.0**-5 and result["amax_vs_xla"] <= 2.0**-5, result
+    for name in ("dx", "dw1", "dw2"):
         assert result[f"{name}_vs_xla"] <= 2.0**-7, result
 
 

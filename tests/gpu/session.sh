@@ -23,7 +23,7 @@
 #                          # (85 s on an H200, over 115 s on an H100, 2026-11-27), each case's numbers kept
 #   MLP=xla HEAD=xla OUT=$OUT/x BUDGET_S=150 tests/gpu/session.sh short-pallas
 #                          # call 3 if budget_left_s - 40 holds it: the same machine's XLA MLP and head
-#   XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
+#   MLP=xla HEAD=xla XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
 # Pieces:
@@ -34,7 +34,9 @@
 #                   and without preallocating the GPU's memory, a line per test as it ends and a failure's
 #                   reason at once (FAILURES_AT_ONCE, tests/conftest.py), not only in the summary a limit
 #                   cuts off                                           (limit 540 s, or what is left)
-#   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas): the record
+#   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas; --mlp and --head
+#                   from MLP and HEAD, default auto: on a GPU the Pallas kernels, so MLP=xla HEAD=xla
+#                   short-xla is the all-XLA run): the record
 #                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validations at
 #                   steps 0, 10, 20 on the first 2,097,152 tokens (one validation step of the record's
 #                   val program, the smallest its batch allows; the "1M") and at the end on
