@@ -2973,10 +2973,10 @@ def parse_args(argv=None):
     for field in FLAG_FIELDS:
         flag = "--" + field.name.replace("_", "-")
         if field.name in AUTO_FIELDS:
-            what = {"attention": "the attention: pure JAX, or fused Pallas kernels", "mlp": "the FP8 MLP's up "
-                    "projection and backward dpre", "head": "the FP8 head's logits and their log-sum-exp"}[field.name]
-            if field.name != "attention":
-                what += ": XLA's GEMMs and passes, or Pallas GEMM kernels with fused epilogues"
+            gemms = "XLA's GEMMs and passes, or Pallas GEMM kernels with fused epilogues"
+            what = {"attention": "the attention: pure JAX, or fused Pallas kernels",
+                    "mlp": f"the FP8 MLP's up projection and backward dpre: {gemms}",
+                    "head": f"the FP8 head's logits and their log-sum-exp: {gemms}"}[field.name]
             hyper.add_argument(flag, choices=("auto", "xla", "pallas"),
                                help=f"{what}; auto (default): pallas on GPUs, xla elsewhere (Pallas interprets, slowly)")
             continue
