@@ -330,7 +330,7 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
 
 
 def gemm_kernels_named(hp) -> str:
-    """" mlp pallas head pallas", either, or "": which of hp's GEMMs run as Pallas kernels, for a row's name."""
+    """" mlp pallas head pallas", either, or "": which of hp's FP8 parts run Pallas kernels, for a row's name."""
     return "".join(f" {part} pallas" for part, impl in (("mlp", hp.mlp), ("head", hp.head)) if impl == "pallas")
 
 
@@ -790,7 +790,7 @@ def report_lines(result: dict, table: Table) -> list:
 # The Pallas kernels' tuning sweep: one row per configuration
 
 
-ATTENTION_KERNELS, GEMM_KERNELS = ("fwd", "dq", "dkv"), ("up", "dpre", "head")
+ATTENTION_KERNELS, GEMM_KERNELS = ("fwd", "dq", "dkv"), ("up", "dpre")
 
 
 def parse_sweep(text: str) -> list:
@@ -815,8 +815,8 @@ def parse_sweep(text: str) -> list:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--sweep item {item!r}: write KERNEL:TILE/WARPS/STAGES with KERNEL fwd, dq or dkv "
-                             f"(attention; TILE 16, 32, 64 or 128, e.g. fwd:128/8/2) or up, dpre or head (the MLP's "
-                             f"and the head's GEMMs; TILE ROWSxCOLSxDEPTH, powers of two from 16, e.g. "
+                             f"(attention; TILE 16, 32, 64 or 128, e.g. fwd:128/8/2) or up or dpre (the MLP's "
+                             f"GEMMs; TILE ROWSxCOLSxDEPTH, powers of two from 16, e.g. "
                              f"up:128x256x128/8/3)") from None
         if configs[-1] in configs[:-1]:
             raise ValueError(f"--sweep item {item!r} is listed twice: its row would hide the other")
@@ -832,21 +832,20 @@ def tuning_name(kernel, tuning) -> str:
 
 def gemm_sweep_inputs(rng, hp, T):
     """The GEMM kernels' operands at T tokens: {kernel: (function, arguments, FLOPs)}."""
-    D, F, V = hp.model_dim, 4 * hp.model_dim, hp.padded_vocab
+    D, F = hp.model_dim, 4 * hp.model_dim
     e4m3 = lambda *shape: jnp.asarray(rng.uniform(-448, 448, shape), jnp.float32).astype(tg.E4M3)  # noqa: E731
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
     return {"up": (tg.pallas_mlp_up, (e4m3(T, D), e4m3(F, D), jnp.float32(1e-5), jnp.float32(0.01), jnp.ones(T, bool)),
                    2 * T * D * F),
             "dpre": (tg.pallas_mlp_dpre, (normal(T, D), normal(F, D),
-                                          jnp.asarray(rng.uniform(0, 4, (T, F)), jnp.bfloat16)), 2 * T * D * F),
-            "head": (tg.pallas_head_logits, (e4m3(T, D), e4m3(V, D)), 2 * T * D * V)}
+                                          jnp.asarray(rng.uniform(0, 4, (T, F)), jnp.bfloat16)), 2 * T * D * F)}
 
 
 def sweep_rows(table, hp, configs, repeats, rounds):
     """Each configuration's kernel at the last stage's chunk (6 heads), at its short and long window:
     fwd alone for the forward kernel; the backward (dq and dk/dv kernels, the other at its default)
-    for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width, head on
-    all of them. Everything compiles first; then `rounds` rounds each time every measurement once
+    for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width.
+    Everything compiles first; then `rounds` rounds each time every measurement once
     (`repeats` calls, their median), so that a drift of the device's clocks reaches every row alike: a
     row is the median of its rounds, the rounds' times go in its note. Returns (errors, {row: ms per
     round}); a configuration that fails to compile or run is reported and the others go on."""
@@ -865,7 +864,7 @@ def sweep_rows(table, hp, configs, repeats, rounds):
         print(f"bench: {name} failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
 
     gemms = gemm_sweep_inputs(rng, hp, T) if any(k in GEMM_KERNELS for k, _ in configs) else {}
-    notes = {"up": "MLP up projection, FP8", "dpre": "MLP dpre, bf16", "head": "head logits + lse, FP8"}
+    notes = {"up": "MLP up projection, FP8", "dpre": "MLP dpre, bf16"}
     rows = []  # (row name, compiled, call arguments, Table.add's keywords)
     for kernel, tuning in configs:
         name = f"pallas {tuning_name(kernel, tuning)}"
@@ -956,9 +955,8 @@ def parse_args(argv=None):
     mode.add_argument("--suite", action="store_true", help="the whole picture: compile, train steps, model, parts")
     mode.add_argument("--sweep", metavar="CONFIGS", help="the Pallas kernels' tuning: KERNEL:TILE/WARPS/STAGES items, "
                       "comma-separated: attention KERNEL fwd, dq or dkv, TILE 16-128, each timed at the last stage's "
-                      "windows; the GEMM kernels' KERNEL up, dpre (the MLP's) or head, TILE ROWSxCOLSxDEPTH, timed on "
-                      "the last stage's chunk; e.g. fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,"
-                      "dpre:128x128x64/4/4,head:128x128x128/8/3")
+                      "windows; the MLP's GEMM kernels' KERNEL up or dpre, TILE ROWSxCOLSxDEPTH, timed on "
+                      "the last stage's chunk; e.g. fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x128x64/4/4")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--attention", default="auto", choices=["auto", *sorted(tg.ATTENTION)],

@@ -60,7 +60,7 @@ NUM_LAYERS = 11  # the layer layout below (paired, XSA, gates, MUDD, DC) is writ
 NUM_HEADS = 6
 RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever the device count
 E4M3_MAX = 448.0
-GEMM_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp, --head: GEMMs with their epilogues in XLA or Pallas kernels
+GEMM_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp, --head: the FP8 GEMMs' epilogues and passes in XLA or Pallas kernels
 AUTO_FIELDS = ("attention", "mlp", "head")  # the flags whose default, auto, picks by backend (auto_implementation)
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
 
@@ -995,10 +995,17 @@ def _chunks(n, *arrays):
 
 
 LM_HEAD_U_S = np.float32(LM_HEAD_X_S) * np.float32(LM_HEAD_W_S)  # the FP8 logits' dequantization, in fp32
+# the logits' gradient's factor, in the reference's order: grad_scale (1) · (A/C) · (1/grad_s)
+LM_HEAD_GRAD_COEF = np.float32(1.0) * (np.float32(1.0) / np.float32(SOFTCAP_C) * np.float32(SOFTCAP_A)) * (
+    np.float32(1.0) / np.float32(LM_HEAD_GRAD_S))
+
+
+def _fp8_logits_f32(x_f8, w_f8):
+    return fp8_dot(x_f8, w_f8, ((1,), (0,))) * LM_HEAD_U_S
 
 
 def _fp8_logits(x_f8, w_f8):
-    return (fp8_dot(x_f8, w_f8, ((1,), (0,))) * LM_HEAD_U_S).astype(BF16)
+    return _fp8_logits_f32(x_f8, w_f8).astype(BF16)
 
 
 def _softcap_sigmoid(u):
@@ -1019,14 +1026,31 @@ def _capped_lse(z):
     return np.float32(SOFTCAP_A) + jnp.log(jnp.sum(jnp.exp(z - np.float32(SOFTCAP_A)), axis=-1))
 
 
+def _targeted(column, cols, ws):
+    """The target columns' weights where `column` is one of them, summed where columns coincide:
+    elementwise, not a scatter, so that the gradient is one pass over the logits (XLA's or a kernel's)."""
+    return sum(jnp.where(column == c, w, np.float32(0)) for c, w in zip(cols, ws))
+
+
+def _logit_grads(sig, lse, total, targeted, exp=jnp.exp):
+    """The e5m2 gradient of the loss sum at the logits u, over grad_s (the reference's kernel): with
+    z = A·sig, d/dz = total·softmax(z) - targeted, times dz/du = (A/C)·sig·(1 - sig)."""
+    grad_z = total[:, None] * exp(np.float32(SOFTCAP_A) * sig - lse[:, None]) - targeted
+    g = LM_HEAD_GRAD_COEF * grad_z * sig * (1 - sig)
+    return jnp.clip(g, -E5M2_MAX, E5M2_MAX).astype(E5M2)
+
+
 def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
     V = w_DxV.shape[1]
     x_f8 = (f32(x_TxD) / np.float32(LM_HEAD_X_S)).astype(E4M3)
     w_f8 = (f32(w_DxV) / np.float32(LM_HEAD_W_S)).astype(E4M3)
-    coef = np.float32(1.0) * (np.float32(1.0) / np.float32(SOFTCAP_C) * np.float32(SOFTCAP_A)) * (
-        np.float32(1.0) / np.float32(LM_HEAD_GRAD_S))
-    if impl == "pallas":  # the normaliser from the GEMM's epilogue; one pass reads u, the gradient's
-        u_grad, lse = pallas_head_logits(x_f8, w_f8.T)  # the kernel reads both operands along D
+    if impl == "pallas":
+        # cuBLASLt's FP8 GEMM writes the logits in fp32 (XLA's path rounds them in a pass of its own); one
+        # kernel rounds them and keeps each one's bf16 sigmoid with the normaliser's sums beside, as the
+        # reference's kernel does in shared memory; the gradient's kernel reads the sigmoids
+        sig_grad, lse = pallas_head_softcap(_fp8_logits_f32(x_f8, w_f8))
+        sig_t = f32(jnp.take_along_axis(sig_grad, cols_TxP, axis=1))
+        g = pallas_head_grad(sig_grad, lse, total_T, cols_TxP, ws_TxP)
     else:
         # Two passes read the (T, V) bf16 logits u, normaliser then gradient, each computing the sigmoid
         # anew: u passed twice through one barrier keeps XLA's GPU compiler from computing it once into
@@ -1034,17 +1058,13 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
         u = _fp8_logits(x_f8, w_f8)
         u_norm, u_grad = jax.lax.optimization_barrier((u, u))
         lse = _capped_lse(np.float32(SOFTCAP_A) * _softcap_sig(u_norm))
-    zt = np.float32(SOFTCAP_A) * _softcap_sig(jnp.take_along_axis(u_grad, cols_TxP, axis=1))
-    losses = jnp.sum(ws_TxP * (lse[:, None] - zt), axis=1)
-    # the target columns' weights, summed where columns coincide: elementwise, not a scatter, so
-    # that XLA fuses the whole gradient into one pass over the logits
-    column_V = jnp.arange(V, dtype=cols_TxP.dtype)
-    targeted = sum(jnp.where(column_V == cols_TxP[:, k:k + 1], ws_TxP[:, k:k + 1], np.float32(0))
-                   for k in range(cols_TxP.shape[1]))
-    sig = _softcap_sig(u_grad)
-    grad_z = total_T[:, None] * jnp.exp(np.float32(SOFTCAP_A) * sig - lse[:, None]) - targeted
-    g = coef * grad_z * sig * (1 - sig)
-    return losses, jnp.clip(g, -E5M2_MAX, E5M2_MAX).astype(E5M2), x_f8, w_f8
+        sig_t = _softcap_sig(jnp.take_along_axis(u_grad, cols_TxP, axis=1))
+        column_V = jnp.arange(V, dtype=cols_TxP.dtype)
+        targeted = _targeted(column_V, [cols_TxP[:, k:k + 1] for k in range(cols_TxP.shape[1])],
+                             [ws_TxP[:, k:k + 1] for k in range(ws_TxP.shape[1])])
+        g = _logit_grads(_softcap_sig(u_grad), lse, total_T, targeted)
+    losses = jnp.sum(ws_TxP * (lse[:, None] - np.float32(SOFTCAP_A) * sig_t), axis=1)
+    return losses, g, x_f8, w_f8
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -1428,8 +1448,8 @@ def _dkv_kernel(hi_ref, window_ref, scale_ref, docs_ref, q_ref, k_ref, v_ref, do
 # and its head GEMM asks for (_scaled_mm's use_fast_accum=True), and XLA's own Triton GEMMs use too.
 # Pallas builds its tt.dot without the attribute, i.e. 0: exact fp32 accumulation, which Hopper's FP8
 # wgmma cannot do, so Triton fell back to Ampere's mma.sync on fp16 copies of the operands (compiled for
-# sm_90 without a GPU, 2026-11-27: mlp_up's and head_logits' PTX held mma.sync, the bf16 kernels'
-# wgmma; the 2026-11-27 H100 sweep timed mlp_up at a third of XLA's FP8 GEMM). So the Triton dialect's
+# sm_90 without a GPU, 2026-11-27: the FP8 GEMM kernels' PTX held mma.sync, the bf16 kernels' wgmma;
+# the 2026-11-27 H100 sweep timed mlp_up at a third of XLA's FP8 GEMM). So the Triton dialect's
 # dot builder, which Pallas's Triton lowering calls, gets Triton's default for FP8 operands; other dots
 # are untouched. Installed when the first Pallas kernel is built (interpret mode never meets it).
 TRITON_FP8_IMPRECISE_ACC = 2**30
@@ -1552,7 +1572,7 @@ pallas_window_attention.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)}
 
 
-# --- GEMMs with their epilogues as fused Pallas kernels (Triton on GPUs) ------------------------
+# --- GEMMs with their epilogues as fused Pallas kernels, and the head's passes (Triton on GPUs) ---------
 # The MLP (--mlp pallas): the reference's linear_relu_square kernel, in two uses: the FP8 up projection
 # writes post = relu(pre)² in bf16, its e4m3 copy for the down projection and the max of post, from
 # one GEMM tile each; the backward's g·W2ᵀ writes dpre = 2·c·sqrt(post) straight from its
@@ -1560,10 +1580,11 @@ ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)
 # record's last stage: the up projection's GEMM writes relu(pre), one pass squares it into post and
 # takes its max, another its e4m3 copy: 9 bytes an element of post where the kernel moves 3; the
 # backward's c = g·W2ᵀ makes a round trip of 4 more). The same values as mlp_fp8's XLA path.
-# The head (--head pallas): the FP8 logit GEMM writes the bf16 logits u and, per tile of columns, each
-# row's sum of exp(z - A) for the log-sum-exp, so that the loss needs one pass over u (the gradient's)
-# instead of two; and its output is bf16 whatever GEMM kernel XLA's autotuning would pick (cuBLASLt
-# writes fp32, converted in a pass of its own: measured on an H200, 2026-11-26).
+# The head (--head pallas): the reference's softcapped cross-entropy kernel, as two passes over the
+# logits of cuBLASLt's FP8 GEMM (head_softcap, head_grad), with the reference's fast exp. Not a GEMM
+# kernel of ours: the head's K is only 768, and a Triton GEMM writing the logits with their normaliser's
+# sums ran at 368 TFLOP/s against cuBLASLt's 1,027 (one H200, 2026-11-27: 82.6 ms a last-stage step
+# against 29.6 for cuBLASLt's GEMM, plus 27.6 for its fp32 logits' rounding pass).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1578,11 +1599,14 @@ class GemmTuning:
     num_stages: int
 
     def fit(self, M, N, K):
-        def fit(want, n):
-            while n % want:
-                want //= 2
-            return want
-        return dataclasses.replace(self, rows=fit(self.rows, M), cols=fit(self.cols, N), depth=fit(self.depth, K))
+        return dataclasses.replace(self, rows=_fit(self.rows, M), cols=_fit(self.cols, N), depth=_fit(self.depth, K))
+
+
+def _fit(want: int, n: int) -> int:
+    """The largest power of two up to `want` that divides n (want a power of two)."""
+    while n % want:
+        want //= 2
+    return want
 
 
 # Starting points, not yet timed with Hopper's tensor-core path: dpre (bf16) a 128 x 256 fp32 accumulator
@@ -1602,31 +1626,20 @@ def _gemm_nt(a_ref, b_ref, depth):
 
 
 class _GemmGrid:
-    """The launch grid of a GEMM kernel over output tiles (i, j) of t.rows x t.cols, and its block
-    specs: A's rows i (M x K), B's rows j (N x K), whole in K (the kernel loops over it), and output
-    blocks of any shape at (i, j). Triton launches the grid's first axis fastest. `row_group` (rows):
-    the row tiles first, in groups of at most that many rows, each group over all column tiles before
-    the next, so that the programs running together share B's tile and the group's rows of A stay in
-    the L2 (the head: B, 50,304 rows, and A, a chunk's 49,152, are each near the 50 MB L2's size; a
-    group of 4,096 rows of A is 3 MB); without, the column tiles go first and share A's (the MLP: each
-    row tile of x or g, read once, the weight stays in the L2). Every Pallas GEMM here takes A and B
-    first (tests/test_gpu.py reads them as the GEMM's operands)."""
+    """The launch grid of a GEMM kernel over output tiles (i, j) of t.rows x t.cols, column tiles first
+    (Triton launches the grid's first axis fastest: the programs running together share A's row tile,
+    read once, and the weight B stays in the L2), and its block specs: A's rows i (M x K), B's rows j
+    (N x K), whole in K (the kernel loops over it), and output blocks of any shape at (i, j). Every
+    Pallas GEMM here takes A and B first (tests/test_gpu.py reads them as the GEMM's operands)."""
 
-    def __init__(self, t: GemmTuning, M: int, N: int, K: int, row_group: int = 0):
-        tiles = (M // t.rows, N // t.cols)
-        if row_group:
-            g = max(d for d in range(1, max(1, row_group // t.rows) + 1) if tiles[0] % d == 0)  # row tiles a group
-            self.grid = (g, tiles[1], tiles[0] // g)
-            self.ij = lambda p, q, r: (r * g + p, q)
-        else:
-            self.grid = tiles[::-1]
-            self.ij = lambda p, q: (q, p)
-        self.tiles = tiles
+    def __init__(self, t: GemmTuning, M: int, N: int, K: int):
+        self.tiles = (M // t.rows, N // t.cols)
+        self.grid = self.tiles[::-1]
         self.operands = [self.block((t.rows, K), lambda i, j: (i, 0)), self.block((t.cols, K), lambda i, j: (j, 0))]
 
     def block(self, shape, index=lambda i, j: (i, j)):
         """A block spec of `shape` at index(i, j) of the output tile (i, j) a program computes."""
-        return pl.BlockSpec(shape, lambda *program: index(*self.ij(*program)))
+        return pl.BlockSpec(shape, lambda j, i: index(i, j))
 
 
 def _mlp_up_kernel(x_ref, w_ref, scales_ref, valid_ref, post_ref, post_f8_ref, amax_ref, *, depth):
@@ -1669,28 +1682,75 @@ def pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF, tuning=PALLAS_MLP_DPRE):
     return call(g_TxD, w2_FxD.astype(g_TxD.dtype), post_TxF)
 
 
-PALLAS_HEAD = GemmTuning(rows=128, cols=128, depth=128, num_warps=8, num_stages=3)  # 50,304 columns: 393 x 128
-HEAD_ROW_GROUP = 4096  # rows of x a group of the head's tiles covers (_GemmGrid)
+@dataclasses.dataclass(frozen=True)
+class PassTuning:
+    """Triton knobs of an elementwise pass over a (T, V) array: a program's tile of rows x cols (cut to fit
+    the small presets, as GemmTuning's)."""
+
+    rows: int
+    cols: int
+    num_warps: int
+    num_stages: int = 1
+
+    def fit(self, M, N):
+        return dataclasses.replace(self, rows=_fit(self.rows, M), cols=_fit(self.cols, N))
 
 
-def _head_logits_kernel(x_ref, w_ref, u_ref, sumexp_ref, *, depth):
-    u = (_gemm_nt(x_ref, w_ref, depth) * LM_HEAD_U_S).astype(BF16)
-    u_ref[...] = u
-    sig = _bf16_rounded(_softcap_sigmoid(u))  # _softcap_sig's rounding (Triton has no reduce_precision)
-    sumexp_ref[...] = jnp.sum(jnp.exp(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
+# A program's 64 x 128 tile over 4 warps: 64 values a thread, loads of 16 bytes (compiled for sm_90 without
+# a GPU, 2026-11-27: no spills). 50,304 columns are 393 tiles of 128.
+PALLAS_HEAD_PASS = PassTuning(rows=64, cols=128, num_warps=4)
 
 
-def pallas_head_logits(x_f8_TxD, w_f8_VxD, tuning=PALLAS_HEAD, row_group=HEAD_ROW_GROUP):
-    """(u, lse): the FP8 head's bf16 logits u = bf16(x_f8·w_f8ᵀ·scales), as _fp8_logits (w as V x D), and
-    each row's log-sum-exp of the softcapped z = A·bf16(sigmoid((u + B)/C)), as _capped_lse of them."""
-    (T, D), V = x_f8_TxD.shape, w_f8_VxD.shape[0]
-    t = tuning.fit(T, V, D)
-    g = _GemmGrid(t, T, V, D, row_group)
-    call = _pallas(partial(_head_logits_kernel, depth=t.depth), t, "head_logits", grid=g.grid,
-                   out_shape=(jax.ShapeDtypeStruct((T, V), BF16), jax.ShapeDtypeStruct((T, g.tiles[1]), F32)),
-                   in_specs=g.operands, out_specs=(g.block((t.rows, t.cols)), g.block((t.rows, 1))))
-    u, sumexp_TxJ = call(x_f8_TxD, w_f8_VxD)
-    return u, np.float32(SOFTCAP_A) + jnp.log(jnp.sum(sumexp_TxJ, axis=1))
+def _exp_fast(x):
+    """exp(x) as 2^(x·log2 e): on a GPU the SFU's ex2.approx, as the reference's kernel
+    computes exp (nvcc --use_fast_math's __expf); Pallas lowers exp to libdevice's accurate expf, about
+    ten, which left the head's passes compute-bound (XLA's exp is the same: its gradient pass, 62
+    instructions a logit, moved 1.0 TB/s on an H200, a fifth of its bandwidth, 2026-11-27)."""
+    return jnp.exp2(x * np.float32(math.log2(math.e)))
+
+
+def _head_softcap_kernel(logits_ref, sig_ref, sumexp_ref):
+    u = f32(logits_ref[...].astype(BF16))  # the logits rounded to bf16, as the reference's GEMM writes them
+    inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
+    sig = _bf16_rounded(1 / (1 + _exp_fast(-(u * inv_c + np.float32(SOFTCAP_B) * inv_c))))  # _softcap_sig
+    sig_ref[...] = sig.astype(BF16)
+    sumexp_ref[...] = jnp.sum(_exp_fast(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
+
+
+def pallas_head_softcap(logits_TxV, tuning=PALLAS_HEAD_PASS):
+    """(sig, lse) from the FP8 head's fp32 logits in one pass: sig = bf16(sigmoid((u + B)/C)) of the bf16
+    logits u, as _softcap_sig (the value the reference's kernel keeps of each logit), and each row's
+    log-sum-exp of z = A·sig, as _capped_lse, from the per-tile sums beside."""
+    T, V = logits_TxV.shape
+    t = tuning.fit(T, V)
+    tile = pl.BlockSpec((t.rows, t.cols), lambda j, i: (i, j))  # column tiles first: a row's in the L2 together
+    call = _pallas(_head_softcap_kernel, t, "head_softcap", grid=(V // t.cols, T // t.rows),
+                   out_shape=(jax.ShapeDtypeStruct((T, V), BF16), jax.ShapeDtypeStruct((T, V // t.cols), F32)),
+                   in_specs=[tile], out_specs=(tile, pl.BlockSpec((t.rows, 1), lambda j, i: (i, j))))
+    sig, sumexp_TxJ = call(logits_TxV)
+    return sig, np.float32(SOFTCAP_A) + jnp.log(jnp.sum(sumexp_TxJ, axis=1))
+
+
+def _head_grad_kernel(sig_ref, lse_ref, total_ref, *refs):
+    P = len(refs) // 2  # cols_1 .. cols_P, ws_1 .. ws_P, then the output
+    sig = f32(sig_ref[...])
+    column = pl.program_id(0) * sig.shape[1] + jax.lax.broadcasted_iota(jnp.int32, sig.shape, 1)
+    targeted = _targeted(column, [c[...][:, None] for c in refs[:P]], [w[...][:, None] for w in refs[P:2 * P]])
+    refs[-1][...] = _logit_grads(sig, lse_ref[...], total_ref[...], targeted, _exp_fast)
+
+
+def pallas_head_grad(sig_TxV, lse_T, total_T, cols_TxP, ws_TxP, tuning=PALLAS_HEAD_PASS):
+    """The e5m2 gradient of the head's loss sum at the logits from the rounded sigmoids sig, as
+    _logit_grads, in one pass (the target columns' weights compared in each tile: no scatter)."""
+    T, V = sig_TxV.shape
+    t = tuning.fit(T, V)
+    tile = pl.BlockSpec((t.rows, t.cols), lambda j, i: (i, j))
+    row = pl.BlockSpec((t.rows,), lambda j, i: (i,))
+    P = cols_TxP.shape[1]  # one (T,) array per column: Triton's blocks are powers of two, P is not
+    call = _pallas(_head_grad_kernel, t, "head_grad", grid=(V // t.cols, T // t.rows),
+                   out_shape=jax.ShapeDtypeStruct((T, V), E5M2), in_specs=[tile, row, row] + [row] * (2 * P),
+                   out_specs=tile)
+    return call(sig_TxV, lse_T, total_T, *(cols_TxP[:, k] for k in range(P)), *(ws_TxP[:, k] for k in range(P)))
 
 
 # -----------------------------------------------------------------------------
@@ -2973,10 +3033,11 @@ def parse_args(argv=None):
     for field in FLAG_FIELDS:
         flag = "--" + field.name.replace("_", "-")
         if field.name in AUTO_FIELDS:
-            gemms = "XLA's GEMMs and passes, or Pallas GEMM kernels with fused epilogues"
             what = {"attention": "the attention: pure JAX, or fused Pallas kernels",
-                    "mlp": f"the FP8 MLP's up projection and backward dpre: {gemms}",
-                    "head": f"the FP8 head's logits and their log-sum-exp: {gemms}"}[field.name]
+                    "mlp": "the FP8 MLP's up projection and backward dpre: XLA's GEMMs and passes, or Pallas GEMM "
+                           "kernels with fused epilogues",
+                    "head": "the FP8 head's softcapped cross-entropy over cuBLAS's logits: XLA's passes, or Pallas "
+                            "kernels with the reference's fast exp"}[field.name]
             hyper.add_argument(flag, choices=("auto", "xla", "pallas"),
                                help=f"{what}; auto (default): pallas on GPUs, xla elsewhere (Pallas interprets, slowly)")
             continue

@@ -370,17 +370,16 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
 
 def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
     out = tmp_path / "sweep.txt"
-    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2,"
-                       "head:128x128x128/8/3", "--repeats", "1", "--rounds", "2", "--out", str(out)]) == 0
+    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2",
+                       "--repeats", "1", "--rounds", "2", "--out", str(out)]) == 0
     table, line = out.read_text().rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     hp = bench.PRESETS["smoke"]
     windows = sorted({int(w) for w in tg.windows(tg.stage_bounds(hp)[-2][0], hp)})
     assert set(result["rows"]) == {f"pallas {k} W={w}" for k in ("fwd:128/8/2", "dq:64/4/2") for w in windows} | {
-        "pallas up:128x256x128/8/3", "pallas dpre:64x64x32/4/2", "pallas head:128x128x128/8/3"}  # 128 tokens, d 96
+        "pallas up:128x256x128/8/3", "pallas dpre:64x64x32/4/2"}  # 128 tokens, d 96
     assert result["errors"] == [] and all(row["ms"] > 0 and row["gflop"] > 0 for row in result["rows"].values())
     assert result["rows"]["pallas up:128x256x128/8/3"]["gflop"] == 2 * 128 * 96 * 384 / 1e9
-    assert result["rows"]["pallas head:128x128x128/8/3"]["gflop"] == 2 * 128 * 96 * hp.padded_vocab / 1e9
     # every row timed once in each of the 2 rounds (after everything compiled): its ms the rounds' median
     assert set(result["rounds_ms"]) == set(result["rows"]) and "median of 2 rounds of 1 calls" in table
     for name, row in result["rows"].items():
@@ -388,7 +387,7 @@ def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, caps
         assert len(ms) == 2 and row["ms"] == pytest.approx(np.median(ms))
         assert row["note"].endswith(f"; rounds {ms[0]:.2f}, {ms[1]:.2f} ms") and row["note"] in table
     for bad in ("fwd:100/8/2", "fwd:128/8", "attn:64/4/2", "dq:64/0/2", "up:128x256/8/3", "dpre:128x96x64/8/3",
-                "up:8x16x16/4/2"):
+                "up:8x16x16/4/2", "head:128x128x128/8/3"):  # the head has no GEMM kernel of ours
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--sweep", bad])
         assert e.value.code == 2 and f"--sweep item {bad!r}" in capsys.readouterr().err

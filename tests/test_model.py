@@ -246,28 +246,36 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits(impl):
     assert (g8 == want8).mean() > 0.995
 
 
-def test_the_pallas_head_kernel_covers_its_tiles_in_groups_of_rows():
-    """pallas_head_logits (interpreted here) launches its tiles in groups of rows, each group over every
-    column tile before the next (as HEAD_ROW_GROUP's 4,096 rows do at full size): 8 row tiles in 4 groups
-    of 2, 4 column tiles, in that order; every tile's logits where the XLA path puts them, bit for bit
-    (small integer e4m3 operands: exact sums), and each row's log-sum-exp over all its column tiles."""
+def test_the_head_passes_match_the_xla_path_tile_by_tile():
+    """pallas_head_softcap and pallas_head_grad (interpreted here) over 8 x 4 tiles of 8 x 128: each logit's
+    rounded sigmoid, each row's normaliser from its column tiles' sums, and each gradient where the XLA
+    path puts them. The kernels' exp is 2^(x·log2 e), the XLA path's another: a value next to a rounding
+    midpoint may round the other way, rarely."""
     rng = np.random.default_rng()
-    T, D, V = 64, 32, 512
-    x8, w8 = (jnp.asarray(rng.integers(-16, 17, shape), F32).astype(m.E4M3) for shape in ((T, D), (V, D)))
-    tuning = dataclasses.replace(m.PALLAS_HEAD, rows=8, cols=128, depth=16)
-    grid = m._GemmGrid(tuning, T, V, D, row_group=16)
-    assert grid.grid == (2, 4, 4)  # row tiles within a group, column tiles, groups: the first axis fastest
-    order = [grid.ij(p, q, r) for r in range(4) for q in range(4) for p in range(2)]
-    assert order[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)] and order[8] == (2, 0)
-    assert sorted(order) == [(i, j) for i in range(8) for j in range(4)]  # each tile once
-    assert m._GemmGrid(tuning, T, V, D, row_group=48).grid == (4, 4, 2)  # 6 row tiles do not divide 8: groups of 4
-    assert m._GemmGrid(tuning, T, V, D).grid == (4, 8)  # the MLP's: column tiles first, sharing A's
-    u, lse = m.pallas_head_logits(x8, w8, tuning, row_group=16)
-    want_u = m._fp8_logits(x8, w8.T)
-    assert np.array_equal(np.asarray(u, np.float32), np.asarray(want_u, np.float32))
-    assert len(np.unique(np.asarray(want_u, np.float32))) > T  # logits that tell tiles apart
-    want_lse = m._capped_lse(np.float32(m.SOFTCAP_A) * m._softcap_sig(want_u))
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6)
+    T, V, P = 64, 512, 3  # P: no power of two
+    tuning = m.PassTuning(rows=8, cols=128, num_warps=4)
+    logits = jnp.asarray(rng.normal(0, 3, (T, V)), F32)  # fp32: the kernel rounds them to bf16 first
+    sig, lse = m.pallas_head_softcap(logits, tuning)
+    want_sig = m._softcap_sig(logits.astype(BF16))  # unrounded logits would take other sigmoids in ~1/6
+    got, want = np.asarray(sig, np.float64), np.asarray(want_sig, np.float64)
+    assert sig.dtype == BF16 and np.mean(got != want) <= 1e-3
+    assert np.all(np.abs(got - want) <= 2.0**-8)  # one bf16 step at most (sigmoids below 1)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(m._capped_lse(np.float32(m.SOFTCAP_A) * want_sig)),
+                               rtol=1e-6)
+
+    cols = rng.integers(0, V, (T, P))
+    cols[::4, 1] = cols[::4, 0]  # a column twice in a row: both weights
+    cols[1::4, 0] = rng.choice([0, 127, 128, 511], T // 4)  # at the tiles' edges
+    cols = jnp.asarray(cols, jnp.int32)
+    ws = jnp.asarray(rng.random((T, P)), F32)
+    total = jnp.sum(ws, axis=1) + 0.25
+    g = m.pallas_head_grad(sig, lse, total, cols, ws, tuning)
+    column = jnp.arange(V, dtype=jnp.int32)
+    targeted = m._targeted(column, [cols[:, k:k + 1] for k in range(P)], [ws[:, k:k + 1] for k in range(P)])
+    want_g = m._logit_grads(m.f32(sig), lse, total, targeted)
+    got, want = (np.asarray(a.astype(F32), np.float64) for a in (g, want_g))
+    assert g.dtype == m.E5M2 and np.mean(got != want) <= 1e-3
+    assert np.all(np.abs(got - want) <= 0.25 * np.abs(want) + 2.0**-16)  # one e5m2 step at most
 
 
 def test_eval_head_loss_matches_float64_on_the_same_bf16_logits():
@@ -410,7 +418,7 @@ def test_fp8_dots_in_triton_kernels_accumulate_as_triton_does_on_hopper():
     patched = tt.dot
     tt.dot = getattr(patched, "__wrapped__", patched)  # as JAX has it
     try:
-        m._pallas(lambda o_ref: None, m.PALLAS_HEAD, "probe", out_shape=jax.ShapeDtypeStruct((8,), jnp.float32))
+        m._pallas(lambda o_ref: None, m.PALLAS_MLP_UP, "probe", out_shape=jax.ShapeDtypeStruct((8,), jnp.float32))
         assert tt.dot.fp8_imprecise_acc == 2**30
         once = tt.dot
         m._triton_fp8_dots_accumulate_as_on_hopper()

@@ -10,7 +10,8 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
             machine's cores), XLA's memory (arguments + temporaries) against the H100's 80 GB, and
             for each train program the GPU lane's FP8 check (tests/test_gpu.py: every head matmul
             and the 22 MLP projections are FP8 GEMMs; the head writes no array of its logits' size
-            but the GEMM's and the gradient; validation's, none but the GEMM's), the kernels ptxas
+            but the GEMM's, one rounding them and the gradient; validation's, none but the GEMM's),
+            the kernels ptxas
             says spill registers, and
             (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
             costliest source lines: it ranks costs, it is no timing;
@@ -64,8 +65,8 @@ from bench import gemm_kernels_named, parse_sweep, source_of, tuning_name  # noq
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
-    from test_gpu import (dims, element_type, fp8_gemm_problems, fp8_mlp_gemms, head_logit_passes,  # noqa: E402
-                          pallas_gemm, parse_hlo)
+    from test_gpu import (beyond_the_rounding, dims, element_type, fp8_gemm_problems, fp8_mlp_gemms,  # noqa: E402
+                          head_logit_passes, pallas_gemm, parse_hlo)
 except ImportError as e:
     print(f"tests/gpu/aot.py: {e}; it runs in an environment of its own, with JAX's CUDA plugin and pytest:\n"
           f"  {INSTALL}", file=sys.stderr)
@@ -378,17 +379,18 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
                  f"{H100_MEMORY / GIB:.1f} GiB"]
         # the train head's logits are the chunk's rows at once; validation's, LOSS_CHUNK rows at a time
         extra = head_logit_passes(text, hp.padded_vocab, chunk if is_train else math.gcd(chunk, tg.LOSS_CHUNK))
-        head = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else
-                                  "GEMM and gradient only" if is_train else "GEMM only")  # validation has no gradient
+        extra = beyond_the_rounding(extra, head) if is_train else extra
+        logits_note = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else  # validation: no gradient
+                                         "GEMM, rounding and gradient only" if is_train else "GEMM only")
         if is_train:
             sites, problems = fp8_gemm_problems(text, hp.padded_vocab)
             gemms = fp8_mlp_gemms(text, 4 * hp.model_dim)
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
                          + f", {len(gemms)} MLP GEMMs" + ("" if len(gemms) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
-                         + f"; {head}")
+                         + f"; {logits_note}")
             lines += traffic_lines(text, top, mesh.size) if top else []
         else:
-            lines[0] += f"  {head}"
+            lines[0] += f"  {logits_note}"
         kernels = kernel_sources(text)
         lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
         if hlo_dir:
@@ -407,7 +409,7 @@ def ptx_files() -> set:
 
 # the Pallas kernel a sweep item tunes, by the name its PTX entry has
 SWEPT_KERNEL = {"fwd": "attention_fwd", "dq": "attention_dq", "dkv": "attention_dkv", "up": "mlp_up",
-                "dpre": "mlp_dpre", "head": "head_logits"}
+                "dpre": "mlp_dpre"}
 
 
 def mma_note(kernel: str, ptx_files: list) -> str:
@@ -432,7 +434,7 @@ def mma_note(kernel: str, ptx_files: list) -> str:
 def sweep_rows(mesh, configs: list) -> list:
     """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
     forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv;
-    the MLP's kernels on the chunk's tokens at the record's width for up and dpre, and the head's.
+    the MLP's kernels on the chunk's tokens at the record's width for up and dpre.
     Each row: whether it compiles, ptxas's spills, and (from its PTX) which MMA instructions it got."""
     hp = tg.PRESETS["record"]
     T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
@@ -455,12 +457,9 @@ def sweep_rows(mesh, configs: list) -> list:
         elif kernel == "up":
             fn = lambda x8, w8, dq, act, valid, t=tuning: tg.pallas_mlp_up(x8, w8, dq, act, valid, t)  # noqa: E731
             args = (f8(T, D), f8(F, D), f32(), f32(), jax.ShapeDtypeStruct((T,), jnp.bool_, sharding=rep))
-        elif kernel == "dpre":
+        else:  # dpre
             fn = lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)  # noqa: E731
             args = (bf16(T, D), bf16(F, D), bf16(T, F))
-        else:  # head: on the chunk's tokens, as the program calls it
-            fn = lambda x8, w8, t=tuning: tg.pallas_head_logits(x8, w8, t)  # noqa: E731
-            args = (f8(T, D), f8(hp.padded_vocab, D))
         args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()
         in_specs = (P(),) * len(args)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
