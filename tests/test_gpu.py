@@ -226,7 +226,7 @@ F8_TYPES = ("f8e4m3fn", "f8e5m2")
 CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cudnn$fusion")
 # train_gpt.py's Pallas kernels that are GEMMs (Triton custom calls, by their pallas_call name): their first
-# two operands are the GEMM's (train_gpt._gemm_specs)
+# two operands are the GEMM's (train_gpt._GemmGrid)
 PALLAS_GEMMS = ("mlp_up", "mlp_dpre")
 TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas kernel's custom call (its name in the backend config)
 PASS_THROUGH = ("bitcast", "copy", "transpose", "reshape", "slice", "dynamic-slice", "broadcast")
@@ -411,7 +411,7 @@ def fp8_gemm_problems(hlo_text: str, vocab: int, min_count: int = 3):
 
     A head GEMM is a matmul with a dimension of size `vocab` (operands or result). Each must take
     f8e4m3fn/f8e5m2 operands and run as an FP8 GEMM kernel (cuBLASLt's fp8 matmul, or a Triton or
-    cuDNN GEMM fusion whose dot reads f8, or train_gpt's Pallas head kernel). At least `min_count` must
+    cuDNN GEMM fusion whose dot reads f8, or one of train_gpt's Pallas GEMM kernels). At least `min_count` must
     exist (forward, dx, dw; more
     when the forward is recomputed), forward (e4m3 x e4m3) and backward (an e5m2 gradient) among
     them. No matmul at all may read an f8 tensor upcast to bf16/f32 (an emulated FP8 matmul)."""
@@ -814,6 +814,18 @@ HEAD_HLO = """HloModule jit_train_step, is_scheduled=true
   ROOT %t = (s32[], f8e5m2[2,64,96]{2,1,0}, f8e4m3fn[64,32]{1,0}, f8e4m3fn[32,96]{1,0}) tuple(%i, %dus_fusion, %x8, %w8)
 }
 """
+
+
+def test_the_fp8_head_may_write_cublas_fp32_logits_and_one_pass_rounding_them():
+    f32 = "gemm in body: custom-call writes f32[64,96]"
+    fusion = "loop_convert_fusion in body: fusion writes bf16[64,96]"
+    kernel = "pallas_call.1 in body: custom-call head_softcap writes bf16[64,96]"
+    assert beyond_the_rounding([f32, fusion], "xla") == [] and beyond_the_rounding([f32, kernel], "pallas") == []
+    assert beyond_the_rounding([f32, kernel], "xla") == [kernel]  # each head its own rounding pass
+    assert beyond_the_rounding([f32, fusion], "pallas") == [fusion]
+    assert beyond_the_rounding([fusion], "xla") == [fusion]  # a rounding pass needs the fp32 logits before it
+    again = [f32.replace("gemm", "gemm.2"), fusion.replace("loop", "loop.2"), "z in body: fusion writes f32[64,96]"]
+    assert beyond_the_rounding([f32, fusion, *again], "xla") == again  # one of each, nothing else
 
 
 def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found():

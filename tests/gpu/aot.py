@@ -11,8 +11,7 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
             for each train program the GPU lane's FP8 check (tests/test_gpu.py: every head matmul
             and the 22 MLP projections are FP8 GEMMs; the head writes no array of its logits' size
             but the GEMM's, one rounding them and the gradient; validation's, none but the GEMM's),
-            the kernels ptxas
-            says spill registers, and
+            the kernels ptxas says spill registers, and
             (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
             costliest source lines: it ranks costs, it is no timing;
   --devices the same for the programs of 2, 4 or 8 H100s of one machine (8: the record's, one chunk
