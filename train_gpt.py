@@ -99,7 +99,7 @@ class Hyperparameters:
     head_dim: int = 128  # model_dim = 6 x head_dim
     attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU)
     mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" (XLA's GEMMs and passes) or "pallas" (fused epilogues)
-    head: str = "xla"  # the FP8 head's logits and log-sum-exp: "xla" or "pallas" (one kernel)
+    head: str = "xla"  # the FP8 head's softcap, normaliser and gradient after cuBLAS's GEMM: "xla" or "pallas"
     # (the command line's default for these three, auto, picks pallas on GPUs: auto_implementation)
     bigram_vocab_size: int = 50304 * 15 // 2  # hash buckets; the last one is position 0's
     bigram_sign_rows: int = 8192
@@ -1008,10 +1008,12 @@ def _fp8_logits(x_f8, w_f8):
     return _fp8_logits_f32(x_f8, w_f8).astype(BF16)
 
 
-def _softcap_sigmoid(u):
-    """sigmoid((u + B)/C) in fp32, before the reference's kernel rounds it to bf16 (_softcap_sig)."""
+def _softcap_sigmoid(u, exp=None):
+    """sigmoid((u + B)/C) in fp32, before the reference's kernel rounds it to bf16 (_softcap_sig): XLA's
+    logistic, or with `exp` 1/(1 + exp(-x)) (the head's Pallas kernel, with its fast exp)."""
     inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
-    return jax.nn.sigmoid(f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c)
+    x = f32(u) * inv_c + np.float32(SOFTCAP_B) * inv_c
+    return jax.nn.sigmoid(x) if exp is None else 1 / (1 + exp(-x))
 
 
 def _softcap_sig(u):
@@ -1711,9 +1713,8 @@ def _exp_fast(x):
 
 
 def _head_softcap_kernel(logits_ref, sig_ref, sumexp_ref):
-    u = f32(logits_ref[...].astype(BF16))  # the logits rounded to bf16, as the reference's GEMM writes them
-    inv_c = np.float32(1.0) / np.float32(SOFTCAP_C)
-    sig = _bf16_rounded(1 / (1 + _exp_fast(-(u * inv_c + np.float32(SOFTCAP_B) * inv_c))))  # _softcap_sig
+    u = logits_ref[...].astype(BF16)  # the logits rounded to bf16, as the reference's GEMM writes them
+    sig = _bf16_rounded(_softcap_sigmoid(u, _exp_fast))  # _softcap_sig's rounding (Triton has no reduce_precision)
     sig_ref[...] = sig.astype(BF16)
     sumexp_ref[...] = jnp.sum(_exp_fast(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
 
@@ -3149,8 +3150,8 @@ def backend_defaults(environ=os.environ) -> None:
 def auto_implementation() -> str:
     """--attention, --mlp and --head auto: the Pallas kernels on GPUs, where they were measured faster at every
     stage (one H200: attention, 2026-11-26, 297 / 570 / 847 ms a step against XLA's 384 / 894 / 1,688; then
-    the MLP's and the head's, 2026-11-27, 280 / 542 / 805 ms against 291 / 560 / 832, 10 GB less memory),
-    XLA elsewhere (Pallas interprets)."""
+    the MLP's and the head's, 2026-11-27, 280 / 542 / 805 ms against 291 / 560 / 832, 10 GB less memory;
+    the head's kernels were rewritten after that, not yet timed), XLA elsewhere (Pallas interprets)."""
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 

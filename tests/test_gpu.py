@@ -355,13 +355,17 @@ def _fusion_kind(ins: Instr) -> str:
     return m[1] if m else ""
 
 
-def pallas_gemm(ins: Instr):
-    """"pallas NAME" for a custom call of one of train_gpt.py's Pallas GEMM kernels, else None."""
+def pallas_kernel(ins: Instr):
+    """The kernel's name of a Pallas kernel's custom call (a Triton call), else None."""
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
     name = re.search(r'\bname = "([^"]+)"', ins.attrs)
-    if ins.op == "custom-call" and target and target[1] == TRITON_CALL and name and name[1] in PALLAS_GEMMS:
-        return f"pallas {name[1]}"
-    return None
+    return name[1] if ins.op == "custom-call" and target and target[1] == TRITON_CALL and name else None
+
+
+def pallas_gemm(ins: Instr):
+    """"pallas NAME" for a custom call of one of train_gpt.py's Pallas GEMM kernels, else None."""
+    name = pallas_kernel(ins)
+    return f"pallas {name}" if name in PALLAS_GEMMS else None
 
 
 def gemm_sites(module: Module) -> list:
@@ -478,12 +482,12 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
             target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
             gemm = (_fusion_kind(ins) in GEMM_FUSION_KINDS or bool(target and target[1].startswith("__cublas"))
                     or pallas_gemm(ins) is not None)
-            kernel = re.search(r'\bname = "([^"]+)"', ins.attrs) if target and target[1] == TRITON_CALL else None
+            kernel = pallas_kernel(ins)
             for t in _array_types(ins.type):
                 if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) == "f8e5m2" \
                         or (gemm and element_type(t) == "bf16"):
                     continue
-                extra.append(f"{ins.name} in {comp}: {ins.op}{' ' + kernel[1] if kernel else ''} writes {t.split('{')[0]}")
+                extra.append(f"{ins.name} in {comp}: {ins.op}{' ' + kernel if kernel else ''} writes {t.split('{')[0]}")
     return extra
 
 

@@ -69,7 +69,7 @@
 # tokens_per_s, compile_s) of the record logs in rec/ of the packed output, and each stage's step time
 # (records/logs.py, printed into session.txt after the run). MLP and HEAD (auto, xla, pallas) give
 # the short runs, the profiles and the bench suite --mlp and --head (default auto: on a GPU pallas,
-# the GEMM kernels with fused epilogues; xla: XLA's GEMMs and passes).
+# the Pallas kernels; xla: XLA's GEMMs and passes).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
