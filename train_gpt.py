@@ -1455,24 +1455,58 @@ def _dkv_kernel(hi_ref, window_ref, scale_ref, docs_ref, q_ref, k_ref, v_ref, do
 # the 2026-11-27 H100 sweep timed mlp_up at a third of XLA's FP8 GEMM). So the Triton dialect's
 # dot builder, which Pallas's Triton lowering calls, gets Triton's default for FP8 operands; other dots
 # are untouched. Installed when the first Pallas kernel is built (interpret mode never meets it).
+# A K loop's `acc + dot(a, b)` of FP8 operands also becomes one dot accumulating into acc, as the
+# reference's kernel writes it (tl.dot(a, b, acc)). Pallas builds every dot from zeros and adds it to acc
+# after; Triton's combine pass folds that sum into the dot only for exact dots (maxNumImpreciseAcc 0), so
+# each FP8 step waited for its wgmma to finish and added its results to a second accumulator (mlp_up's
+# sm_90 PTX, 2026-11-27: wgmma.wait_group 0 and 64 add.f32 a thread in every loop step, where the bf16
+# dpre's loop keeps a wgmma in flight), and added each 128-deep step's partial sum to the fp32 total
+# exactly: more precisely than the reference's kernel and cuBLASLt's fast accumulation, which carry the
+# imprecise sum across K. (A dot whose result were used again would be computed twice: none is.)
 TRITON_FP8_IMPRECISE_ACC = 2**30
 
 
 def _triton_fp8_dots_accumulate_as_on_hopper():
     from jax._src.lib.mlir import ir
     from jax._src.lib.triton import dialect as tt
+    from jax._src.pallas.triton import lowering
     if getattr(tt.dot, "fp8_imprecise_acc", None) == TRITON_FP8_IMPRECISE_ACC:
         return
-    pallas_dot = tt.dot
+    rules = lowering.triton_lowering_rules
+    pallas_dot, pallas_add = tt.dot, getattr(rules[jax.lax.add_p], "__wrapped__", rules[jax.lax.add_p])
+
+    def fp8(*xs):
+        return all(str(ir.RankedTensorType(x.type).element_type).startswith("f8") for x in xs)
+
+    def is_zero(value):  # a constant 0, dense or splat
+        op = getattr(value, "owner", None)
+        if getattr(op, "name", None) == "tt.splat":
+            op = getattr(op.operands[0], "owner", None)
+        if getattr(op, "name", None) != "arith.constant":
+            return False
+        attr = op.attributes["value"]
+        if isinstance(attr, ir.DenseFPElementsAttr) and attr.is_splat:
+            attr = attr.get_splat_value()
+        return isinstance(attr, ir.FloatAttr) and attr.value == 0
 
     def dot(a, b, c, *, max_num_imprecise_acc=None, **kwargs):
-        if max_num_imprecise_acc is None and all(
-                str(ir.RankedTensorType(x.type).element_type).startswith("f8") for x in (a, b)):
+        if max_num_imprecise_acc is None and fp8(a, b):
             max_num_imprecise_acc = TRITON_FP8_IMPRECISE_ACC
         return pallas_dot(a, b, c, max_num_imprecise_acc=max_num_imprecise_acc, **kwargs)
 
-    dot.fp8_imprecise_acc, dot.__wrapped__ = TRITON_FP8_IMPRECISE_ACC, pallas_dot
-    tt.dot = dot
+    def add(ctx, x, y):
+        for acc, d in ((x, y), (y, x)):
+            op = getattr(d, "owner", None)
+            if (getattr(op, "name", None) == "tt.dot" and isinstance(acc, ir.Value) and d.type == acc.type
+                    and fp8(*op.operands[:2]) and is_zero(op.operands[2])):  # (the dot from zeros: dead code)
+                attrs = op.attributes
+                imprecise = attrs["maxNumImpreciseAcc"] if "maxNumImpreciseAcc" in attrs else None
+                return pallas_dot(*op.operands[:2], acc, input_precision=attrs["inputPrecision"],
+                                  max_num_imprecise_acc=imprecise)
+        return pallas_add(ctx, x, y)
+
+    dot.fp8_imprecise_acc, dot.__wrapped__, add.__wrapped__ = TRITON_FP8_IMPRECISE_ACC, pallas_dot, pallas_add
+    tt.dot, rules[jax.lax.add_p] = dot, add
 
 
 def _pallas(kernel, tuning, name, **call):
@@ -1612,11 +1646,12 @@ def _fit(want: int, n: int) -> int:
     return want
 
 
-# Starting points, not yet timed with Hopper's tensor-core path: dpre (bf16) a 128 x 256 fp32 accumulator
-# over 8 warps (128 registers a thread), 3 stages of 48 KiB of input tiles in shared memory (64 deep);
-# up (e4m3, 128 deep) 128 x 128, since with FP8 wgmma a 128 x 256 tile's epilogue spills registers
-# (152 bytes a thread; tests/gpu/aot.py --sweep, 2026-11-27), 128 x 128 at 3 or 4 stages does not.
-PALLAS_MLP_UP = GemmTuning(rows=128, cols=128, depth=128, num_warps=8, num_stages=3)
+# The reference's tiles for its kernels of these GEMMs, not yet timed here: a 128 x 256 fp32 accumulator
+# over 8 warps (128 registers a thread), 3 stages of input tiles in shared memory, 64 deep in bf16
+# (dpre: 48 KiB a stage), 128 in e4m3 (up: 48 KiB). Up was 128 x 128 while its epilogue spilled
+# registers at 128 x 256 (152 bytes a thread; tests/gpu/aot.py --sweep, 2026-11-27): its loop kept a
+# second accumulator then (_triton_fp8_dots_accumulate_as_on_hopper); since, no up tile swept spills.
+PALLAS_MLP_UP = GemmTuning(rows=128, cols=256, depth=128, num_warps=8, num_stages=3)
 PALLAS_MLP_DPRE = GemmTuning(rows=128, cols=256, depth=64, num_warps=8, num_stages=3)
 
 

@@ -448,6 +448,52 @@ def test_fp8_dots_in_triton_kernels_accumulate_as_triton_does_on_hopper():
         tt.dot = patched
 
 
+def triton_loop_body(kernel_call, *args) -> tuple:
+    """(the K loop's iter_arg, its body's lines) of the one Triton module that Pallas's Triton lowering
+    builds for kernel_call(*args), lowered for an H100 on this machine (jax >= 0.11 asks for the GPU's
+    kind: an abstract one, as no GPU is needed to lower)."""
+    from jax._src.pallas.triton import lowering
+
+    modules, lower = [], lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        result = lower(*a, **k)
+        modules.append(str(result.module))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Auto,),
+                                                                      abstract_device=h100)):
+            jax.jit(lambda *a: kernel_call(*a)).trace(*args).lower(lowering_platforms=("cuda",))  # (not cached)
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower
+    [module] = modules
+    loop = module[module.index("scf.for"):]
+    carried = re.match(r"scf\.for .*?iter_args\((%\w+) = ", loop)[1]
+    return carried, loop[:loop.index("scf.yield")].splitlines()[1:] + [loop[loop.index("scf.yield"):].splitlines()[0]]
+
+
+def test_the_fp8_gemm_kernel_accumulates_into_its_loop_carried_sum():
+    """mlp_up's K loop, as Triton gets it: its FP8 dot accumulates into the sum the loop carries, the
+    reference kernel's tl.dot(a, b, acc), not a dot from zeros added to it after, which Triton's combine
+    pass leaves unfolded for FP8 dots (each step's wgmma waited for, the sum kept twice); dpre's bf16 dot
+    stays as JAX builds it, for Triton's own pass to fold."""
+    S = jax.ShapeDtypeStruct
+    carried, body = triton_loop_body(m.pallas_mlp_up, S((256, 256), m.E4M3), S((256, 256), m.E4M3), S((), F32),
+                                     S((), F32), S((256,), jnp.bool_))
+    yielded = re.search(r"scf\.yield (%\w+)", body[-1])[1]
+    [accumulating] = [line for line in body if line.lstrip().startswith(f"{yielded} = tt.dot")]
+    assert re.search(rf"tt\.dot %\w+, %\w+, {carried}[, ]", accumulating), accumulating
+    assert "f8E4M3FN" in accumulating and not any("arith.addf" in line for line in body), body
+
+    carried, body = triton_loop_body(m.pallas_mlp_dpre, S((256, 256), BF16), S((256, 256), BF16),
+                                     S((256, 256), BF16))
+    [dot] = [line for line in body if "tt.dot" in line]
+    assert not re.search(rf"tt\.dot %\w+, %\w+, {carried}[, ]", dot) and any("arith.addf" in line for line in body)
+
+
 def test_the_fp8_heads_backward_dots_ask_for_exact_accumulation_and_its_forward_for_fast():
     """The reference's head: forward use_fast_accum=True, backward False. XLA's cuBLASLt FP8 GEMM
     accumulates fast only at DEFAULT precision, so the backward's two FP8 dots are HIGHEST, the forward's

@@ -15,16 +15,20 @@
 #
 #   OUT=$OUT/a BUDGET_S=300 tests/gpu/session.sh short-pallas profile-pallas
 #                          # call 1 (timeout_s 340): the default short run (the Pallas kernels for attention,
-#                          # MLP and head on GPUs; the head's rewritten after the fifth session, untimed:
-#                          # with the old one an H200 ran it at 479K tokens/s, compile 34 s), above all
-#                          # on an H100, where none has ended yet (the goal: 490K tokens/s), and the last
-#                          # stage's step profiled (head_softcap and head_grad against head_logits'
-#                          # 82.6 ms and the gradient pass's 57.2 ms a step on an H200)
+#                          # MLP and head on GPUs; the head's rewritten after the fifth session and mlp_up's
+#                          # loop changed, both untimed: with the old ones an H200 ran it at 479K tokens/s,
+#                          # compile 34 s), above all on an H100, where none has ended yet (the goal: 490K
+#                          # tokens/s), and the last stage's step profiled (head_softcap and head_grad against
+#                          # head_logits' 82.6 ms and the gradient pass's 57.2 ms a step on an H200; mlp_up
+#                          # against 53.0 ms)
 #   OUT=$OUT BUDGET_S=260 tests/gpu/session.sh lane
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40): the lane
 #                          # (85 s on an H200, over 115 s on an H100, 2026-11-27), each case's numbers kept
+#   SWEEP=up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3 OUT=$OUT/s BUDGET_S=120 \
+#       tests/gpu/session.sh sweep
+#                          # call 3 if budget_left_s - 40 holds it: mlp_up's tile (the reference's, the old one)
 #   HEAD=xla OUT=$OUT/x BUDGET_S=150 tests/gpu/session.sh short-pallas
-#                          # call 3 if budget_left_s - 40 holds it: the same machine with XLA's head passes
+#                          # with time left: the same machine with XLA's head passes
 #   MLP=xla HEAD=xla XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
@@ -85,11 +89,11 @@ MLP=${MLP:-auto} HEAD=${HEAD:-auto}  # train_gpt.py's and bench.py's --mlp, --he
 # the kernels' defaults (fwd 128/8/2, dq and dkv 64/8/2) and neighbours that compile for an H100 without
 # register spills (tests/gpu/aot.py --sweep, 2026-11-25: every 4-warp configuration but fwd 32/4 spills, so
 # does dkv 128/8; tile 128 with 3-4 stages (fwd: 4) exceeds the shared memory)
-# and the MLP's GEMM kernels' defaults (up 128x128x128/8/3, dpre 128x256x64/8/3) and neighbours, all
-# clean for an H100 (2026-11-27, up on Hopper's FP8 wgmma since that day: it spills with 128x256, 256x128
-# or 64x256 tiles; dpre as on 2026-11-26)
+# and the MLP's GEMM kernels' defaults (up 128x256x128/8/3, dpre 128x256x64/8/3: the reference's) and
+# neighbours, all clean for an H100 (up since its FP8 dot accumulates into the loop's sum, 2026-11-27:
+# 128x256 and 256x128 spilled before; up's old default 128x128x128/8/3 among them; dpre as on 2026-11-26)
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
-SWEEP_DEFAULT+=,up:128x128x128/8/3,up:128x128x128/8/4,up:128x128x64/8/4
+SWEEP_DEFAULT+=,up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3,up:128x128x128/8/4
 SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x256x32/8/4
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
