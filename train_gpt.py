@@ -1509,10 +1509,33 @@ def _triton_fp8_dots_accumulate_as_on_hopper():
     tt.dot, rules[jax.lax.add_p] = dot, add
 
 
+# Pallas's Triton lowering addresses an array's elements with i32 offsets when the array has at most 2**32
+# bytes (jax 0.10.2 and 0.11.2); an i32 is signed, so in an array of 1-byte elements past 2**31 of them the
+# offsets wrap to addresses ahead of it. The head's e5m2 gradient of a 49,152-row chunk has 2.47e9 elements
+# (2026-11-27, an H200: the GPU lane's head case faulted at an illegal address, and the short run's loss
+# went NaN two steps into the stage of 49,152-row chunks). Such an array gets i64 offsets, as jax gives one
+# past 2**32 bytes.
+def _triton_offsets_of_arrays_past_2_31_elements_in_64_bits():
+    from jax._src.pallas.triton import lowering
+    offsets = lowering._compute_offsets_from_indices
+    if hasattr(offsets, "__wrapped__"):
+        return
+
+    def wide_offsets(block_info, nd_indexer):
+        aval = block_info.full_shape_dtype
+        if math.prod(aval.shape) > 2**31:  # described as fp32, which crosses jax's 2**32-byte line
+            block_info = dataclasses.replace(block_info, full_shape_dtype=aval.update(dtype=F32))
+        return offsets(block_info, nd_indexer)
+
+    wide_offsets.__wrapped__ = offsets
+    lowering._compute_offsets_from_indices = wide_offsets
+
+
 def _pallas(kernel, tuning, name, **call):
     """The kernel as Triton when lowered for CUDA (explicit Triton params: jax 0.10 would pick Mosaic GPU),
     anywhere else the same kernel in interpret mode."""
     _triton_fp8_dots_accumulate_as_on_hopper()
+    _triton_offsets_of_arrays_past_2_31_elements_in_64_bits()
 
     def build(interpret):
         params = pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)

@@ -447,10 +447,10 @@ def test_fp8_dots_in_triton_kernels_accumulate_as_triton_does_on_hopper():
         tt.dot = patched
 
 
-def triton_loop_body(kernel_call, *args) -> tuple:
-    """(the K loop's iter_arg, its body's lines) of the one Triton module that Pallas's Triton lowering
-    builds for kernel_call(*args), lowered for an H100 on this machine (jax >= 0.11 asks for the GPU's
-    kind: an abstract one, as no GPU is needed to lower)."""
+def triton_module(kernel_call, *args) -> str:
+    """The one Triton module that Pallas's Triton lowering builds for kernel_call(*args), lowered for an
+    H100 on this machine (jax >= 0.11 asks for the GPU's kind: an abstract one, as no GPU is needed to
+    lower)."""
     from jax._src.pallas.triton import lowering
 
     modules, lower = [], lowering.lower_jaxpr_to_triton_module
@@ -469,6 +469,12 @@ def triton_loop_body(kernel_call, *args) -> tuple:
     finally:
         lowering.lower_jaxpr_to_triton_module = lower
     [module] = modules
+    return module
+
+
+def triton_loop_body(kernel_call, *args) -> tuple:
+    """(the K loop's iter_arg, its body's lines) of kernel_call(*args)'s Triton module."""
+    module = triton_module(kernel_call, *args)
     loop = module[module.index("scf.for"):]
     carried = re.match(r"scf\.for .*?iter_args\((%\w+) = ", loop)[1]
     return carried, loop[:loop.index("scf.yield")].splitlines()[1:] + [loop[loop.index("scf.yield"):].splitlines()[0]]
@@ -491,6 +497,21 @@ def test_the_fp8_gemm_kernel_accumulates_into_its_loop_carried_sum():
                                      S((256, 256), BF16))
     [dot] = [line for line in body if "tt.dot" in line]
     assert not re.search(rf"tt\.dot %\w+, %\w+, {carried}[, ]", dot) and any("arith.addf" in line for line in body)
+
+
+@pytest.mark.parametrize("T, offsets", [(49152, "i64"), (40960, "i32")])
+def test_a_1_byte_array_past_2_31_elements_gets_64_bit_offsets_in_triton(T, offsets):
+    """The head's e5m2 gradient of the record's 49,152-row chunk has 2.47e9 elements in under 2**32 bytes:
+    Pallas would address it with i32 offsets, which wrap past 2**31 (an illegal address on an H200). Its
+    stores get i64 offsets; 40,960 rows' 2.06e9 keep i32, as the smaller bf16 sig's loads."""
+    S, V, P = jax.ShapeDtypeStruct, 50304, 3
+    module = triton_module(m.pallas_head_grad, S((T, V), BF16), S((T,), F32), S((T,), F32),
+                           S((T, P), jnp.int32), S((T, P), F32))
+    [store] = re.findall(r"tt\.store (%\w+), ", module)
+    [addptr] = re.findall(rf"{store} = tt\.addptr .*", module)
+    assert addptr.endswith(f"!tt.ptr<f8E5M2>>, tensor<64x128x{offsets}>"), addptr
+    [load] = [line for line in module.splitlines() if "tt.addptr" in line and "!tt.ptr<bf16>>" in line]
+    assert load.endswith(f"tensor<64x128x{'i64' if T * V * 2 > 2**32 else 'i32'}>"), load
 
 
 def test_the_fp8_heads_backward_dots_ask_for_exact_accumulation_and_its_forward_for_fast():
