@@ -966,8 +966,9 @@ def parse_args(argv=None):
                         help="the FP8 MLP's implementation in the model, as in train_gpt.py (default auto: pallas on "
                         "GPUs, xla elsewhere; the suite's one-layer MLP rows time each)")
     parser.add_argument("--head", default="auto", choices=["auto", *tg.GEMM_IMPLEMENTATIONS],
-                        help="the FP8 head's implementation in the model, as in train_gpt.py (default auto: pallas on "
-                        "GPUs, xla elsewhere; the suite's head rows time each)")
+                        help="the FP8 head's implementation in the model, as in train_gpt.py (default auto: xla "
+                        "until a GPU has run the Pallas head's fix, train_gpt.AUTO_ON_GPU; the suite's head rows "
+                        "time each)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median; default 3)")
     parser.add_argument("--rounds", type=int, help="with --sweep: time every configuration once per round, round after "
                         "round, and give each row the median of its rounds (default 3)")
@@ -1034,7 +1035,7 @@ def main(argv=None) -> int:
             if os.path.isdir(args.out) or not os.access(folder, os.W_OK):
                 raise OSError(f"--out {args.out}: cannot write a file there")
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "tiny")
-        hp = dataclasses.replace(PRESETS[preset], **{name: tg.auto_implementation() if getattr(args, name) == "auto"
+        hp = dataclasses.replace(PRESETS[preset], **{name: tg.auto_implementation(name) if getattr(args, name) == "auto"
                                                      else getattr(args, name) for name in tg.AUTO_FIELDS})
         if args.stage is not None and not 0 <= args.stage < len(hp.stages):
             raise ValueError(f"--stage {args.stage}: preset {preset} has stages 0 to {len(hp.stages) - 1}")

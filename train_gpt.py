@@ -62,6 +62,10 @@ RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever t
 E4M3_MAX = 448.0
 GEMM_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp, --head: the FP8 GEMMs' epilogues and passes in XLA or Pallas kernels
 AUTO_FIELDS = ("attention", "mlp", "head")  # the flags whose default, auto, picks by backend (auto_implementation)
+# auto on GPUs: the Pallas kernels a GPU has checked and timed. The head's, rewritten since, wrote past their
+# e5m2 gradient on their first GPU run (2026-11-27, fixed: _triton_offsets_of_arrays_past_2_31_elements_in_64_bits,
+# not yet run on a GPU): XLA's passes until the GPU lane's head case and a short run pass with them.
+AUTO_ON_GPU = {"attention": "pallas", "mlp": "pallas", "head": "xla"}
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
 
 
@@ -100,7 +104,7 @@ class Hyperparameters:
     attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU)
     mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" (XLA's GEMMs and passes) or "pallas" (fused epilogues)
     head: str = "xla"  # the FP8 head's softcap, normaliser and gradient after cuBLAS's GEMM: "xla" or "pallas"
-    # (the command line's default for these three, auto, picks pallas on GPUs: auto_implementation)
+    # (the command line's default for these three, auto, picks by backend: auto_implementation)
     bigram_vocab_size: int = 50304 * 15 // 2  # hash buckets; the last one is position 0's
     bigram_sign_rows: int = 8192
     # schedule
@@ -1669,7 +1673,8 @@ def _fit(want: int, n: int) -> int:
     return want
 
 
-# The reference's tiles for its kernels of these GEMMs, not yet timed here: a 128 x 256 fp32 accumulator
+# The reference's tiles for its kernels of these GEMMs (up: 37.2 ms a last-stage step on an H200,
+# 2026-11-27, against 53.0 at 128 x 128 with the old loop; no sweep yet): a 128 x 256 fp32 accumulator
 # over 8 warps (128 registers a thread), 3 stages of input tiles in shared memory, 64 deep in bf16
 # (dpre: 48 KiB a stage), 128 in e4m3 (up: 48 KiB). Up was 128 x 128 while its epilogue spilled
 # registers at 128 x 256 (152 bytes a thread; tests/gpu/aot.py --sweep, 2026-11-27): its loop kept a
@@ -3099,7 +3104,10 @@ def parse_args(argv=None):
                     "head": "the FP8 head's softcapped cross-entropy over cuBLAS's logits: XLA's passes, or Pallas "
                             "kernels with the reference's fast exp"}[field.name]
             hyper.add_argument(flag, choices=("auto", "xla", "pallas"),
-                               help=f"{what}; auto (default): pallas on GPUs, xla elsewhere (Pallas interprets, slowly)")
+                               help=f"{what}; auto (default): " + (
+                                   "pallas on GPUs, xla elsewhere (Pallas interprets, slowly)"
+                                   if AUTO_ON_GPU[field.name] == "pallas" else
+                                   "xla (its Pallas kernels' fix has not run on a GPU yet: AUTO_ON_GPU)"))
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):
@@ -3205,12 +3213,12 @@ def backend_defaults(environ=os.environ) -> None:
         environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
-def auto_implementation() -> str:
-    """--attention, --mlp and --head auto: the Pallas kernels on GPUs, where they were measured faster at every
-    stage (one H200: attention, 2026-11-26, 297 / 570 / 847 ms a step against XLA's 384 / 894 / 1,688; then
-    the MLP's and the head's, 2026-11-27, 280 / 542 / 805 ms against 291 / 560 / 832, 10 GB less memory;
-    the head's kernels were rewritten after that, not yet timed), XLA elsewhere (Pallas interprets)."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+def auto_implementation(name: str) -> str:
+    """--attention, --mlp or --head auto: on GPUs AUTO_ON_GPU's, the Pallas kernels where they were measured
+    faster at every stage (one H200: attention, 2026-11-26, 297 / 570 / 847 ms a step against XLA's 384 / 894 /
+    1,688; the MLP's, 2026-11-27, 286 / 555 / 819 ms against 295 / 567 / 845 with XLA's head), XLA elsewhere
+    (Pallas interprets)."""
+    return AUTO_ON_GPU[name] if jax.default_backend() == "gpu" else "xla"
 
 
 def main(argv=None) -> int:
@@ -3225,7 +3233,7 @@ def main(argv=None) -> int:
         preset = args.preset or ("record" if jax.default_backend() == "gpu" else "cpu")
         if not args.check:  # (the options' verdict does not depend on it)
             for name in AUTO_FIELDS:
-                overrides.setdefault(name, auto_implementation())
+                overrides.setdefault(name, auto_implementation(name))
         hp = with_stage_flags(dataclasses.replace(PRESETS[preset], **overrides), args)
         if args.check:
             check_outputs(hp.records_dir, args.save_weights)

@@ -164,7 +164,7 @@ def case_train(preset: str, T: int, out_dir: str) -> dict:
     hp = lane_hp(preset, T, train_files=os.path.join(out_dir, "shards", "synthetic_train_*.bin"),
                  val_files=os.path.join(out_dir, "shards", "synthetic_val_*.bin"),
                  records_dir=os.path.join(out_dir, "records"),
-                 **{name: tg.auto_implementation() for name in tg.AUTO_FIELDS})  # what a user's run takes
+                 **{name: tg.auto_implementation(name) for name in tg.AUTO_FIELDS})  # what a user's run takes
     windows = [tg.windows(step, hp, final_val=step == hp.total_steps) for step in (0, 3, 6, 7)]
     print(f"(short, long) windows at the validations: {windows}", flush=True)
     summary = tg.train(hp, preset, tg.make_mesh())

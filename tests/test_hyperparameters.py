@@ -77,21 +77,22 @@ def test_check_answers_for_the_options_alone(tmp_path, capsys):
     assert err.splitlines()[0].endswith(" [options]  (--help lists them)") and len(err.splitlines()) == 2
 
 
-@pytest.mark.parametrize("flag", ["attention", "mlp", "head"])
-def test_auto_is_pallas_on_gpus_and_xla_elsewhere_and_says_so(monkeypatch, capsys, tmp_path, flag):
+@pytest.mark.parametrize("flag, on_gpu", [("attention", "pallas"), ("mlp", "pallas"), ("head", "xla")])
+def test_auto_picks_by_backend_and_says_so(monkeypatch, capsys, tmp_path, flag, on_gpu):
+    """auto: AUTO_ON_GPU's on GPUs (the head's Pallas kernels wait for a GPU run of their fix), xla elsewhere."""
     seen = []
     monkeypatch.setattr(tg, "train", lambda hp, *rest: seen.append(hp))
     argv = ["--preset", "cpu", "--compile-cache-dir", "", "--records-dir", str(tmp_path)]
-    option = f"--{flag}"
-    for backend, flags, expect in [("cpu", [], "xla"), ("gpu", [], "pallas"), ("gpu", [option, "auto"], "pallas"),
-                                   ("gpu", [option, "xla"], "xla"), ("cpu", [option, "pallas"], "pallas")]:
+    option, other = f"--{flag}", {"xla": "pallas", "pallas": "xla"}[on_gpu]
+    for backend, flags, expect in [("cpu", [], "xla"), ("gpu", [], on_gpu), ("gpu", [option, "auto"], on_gpu),
+                                   ("gpu", [option, other], other), ("cpu", [option, "pallas"], "pallas")]:
         monkeypatch.setattr(tg.jax, "default_backend", lambda: backend)
         assert tg.main([*argv, *flags]) == 0
         assert getattr(seen[-1], flag) == expect, (backend, flags)
         said = f"{flag} {expect} (chosen because the JAX backend is {backend}; pass {option} to choose)"
         assert (said in capsys.readouterr().out) == (flags in ([], [option, "auto"])), (backend, flags)
         others = [name for name in tg.AUTO_FIELDS if name != flag]  # each flag on its own: the others stay auto
-        assert all(getattr(seen[-1], name) == ("pallas" if backend == "gpu" else "xla") for name in others)
+        assert all(getattr(seen[-1], name) == (tg.AUTO_ON_GPU[name] if backend == "gpu" else "xla") for name in others)
     assert tg.parse_args([option, "auto"])[1] == {} and tg.parse_args([option, "xla"])[1] == {flag: "xla"}
     assert tg.parse_args(["--records-dir", "auto"])[1] == {"records_dir": "auto"}  # only these flags' auto is main's
 
