@@ -1515,7 +1515,7 @@ def _triton_fp8_dots_accumulate_as_on_hopper():
 
 # Pallas's Triton lowering addresses an array's elements with i32 offsets when the array has at most 2**32
 # bytes (jax 0.10.2 and 0.11.2); an i32 is signed, so in an array of 1-byte elements past 2**31 of them the
-# offsets wrap to addresses ahead of it. The head's e5m2 gradient of a 49,152-row chunk has 2.47e9 elements
+# offsets wrap negative, to addresses before its start. The head's e5m2 gradient of a 49,152-row chunk has 2.47e9 elements
 # (2026-11-27, an H200: the GPU lane's head case faulted at an illegal address, and the short run's loss
 # went NaN two steps into the stage of 49,152-row chunks). Such an array gets i64 offsets, as jax gives one
 # past 2**32 bytes.
@@ -3107,7 +3107,8 @@ def parse_args(argv=None):
                                help=f"{what}; auto (default): " + (
                                    "pallas on GPUs, xla elsewhere (Pallas interprets, slowly)"
                                    if AUTO_ON_GPU[field.name] == "pallas" else
-                                   "xla (its Pallas kernels' fix has not run on a GPU yet: AUTO_ON_GPU)"))
+                                   "xla everywhere for now (the Pallas kernels' fix of an out-of-bounds write "
+                                   "awaits a GPU run: AUTO_ON_GPU; --head pallas takes them)"))
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):

@@ -480,9 +480,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="xla,pallas", help="comma-separated implementations (default both)")
     parser.add_argument("--mlp", default="pallas", choices=tg.GEMM_IMPLEMENTATIONS,
-                        help="train_gpt.py's --mlp (default pallas: its default on GPUs)")
+                        help="train_gpt.py's --mlp (default pallas, the Pallas kernels)")
     parser.add_argument("--head", default="pallas", choices=tg.GEMM_IMPLEMENTATIONS,
-                        help="train_gpt.py's --head (default pallas: its default on GPUs)")
+                        help="train_gpt.py's --head (default pallas, the Pallas kernels, which train_gpt.py's auto "
+                             "leaves for XLA's passes until a GPU has run their fix: AUTO_ON_GPU)")
     parser.add_argument("--programs", default="all", choices=("all", "last", "none"),
                         help="all: each stage shape's train program and validation; last: the last stage's train "
                              "program; none: only --sweep")
