@@ -62,9 +62,10 @@ RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever t
 E4M3_MAX = 448.0
 GEMM_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp, --head: the FP8 GEMMs' epilogues and passes in XLA or Pallas kernels
 AUTO_FIELDS = ("attention", "mlp", "head")  # the flags whose default, auto, picks by backend (auto_implementation)
-# auto on GPUs: the Pallas kernels a GPU has checked and timed. The head's, rewritten since, wrote past their
-# e5m2 gradient on their first GPU run (2026-11-27, fixed: _triton_offsets_of_arrays_past_2_31_elements_in_64_bits,
-# not yet run on a GPU): XLA's passes until the GPU lane's head case and a short run pass with them.
+# auto on GPUs: the Pallas kernels a GPU has checked and timed. The head's, rewritten, wrote outside their
+# e5m2 gradient's array on their first GPU run (2026-11-27; fixed, not yet run on a GPU:
+# _triton_offsets_of_arrays_past_2_31_elements_in_64_bits): XLA's passes until the GPU lane's head case and
+# a short run pass with them.
 AUTO_ON_GPU = {"attention": "pallas", "mlp": "pallas", "head": "xla"}
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
 
@@ -1515,10 +1516,10 @@ def _triton_fp8_dots_accumulate_as_on_hopper():
 
 # Pallas's Triton lowering addresses an array's elements with i32 offsets when the array has at most 2**32
 # bytes (jax 0.10.2 and 0.11.2); an i32 is signed, so in an array of 1-byte elements past 2**31 of them the
-# offsets wrap negative, to addresses before its start. The head's e5m2 gradient of a 49,152-row chunk has 2.47e9 elements
-# (2026-11-27, an H200: the GPU lane's head case faulted at an illegal address, and the short run's loss
-# went NaN two steps into the stage of 49,152-row chunks). Such an array gets i64 offsets, as jax gives one
-# past 2**32 bytes.
+# offsets wrap negative, to addresses before its start. The head's e5m2 gradient of a 49,152-row chunk has
+# 2.47e9 elements (2026-11-27, an H200: the GPU lane's head case faulted at an illegal address, and the
+# short run's loss went NaN two steps into the stage of 49,152-row chunks). Such an array gets i64 offsets,
+# as jax gives one past 2**32 bytes.
 def _triton_offsets_of_arrays_past_2_31_elements_in_64_bits():
     from jax._src.pallas.triton import lowering
     offsets = lowering._compute_offsets_from_indices
@@ -1673,8 +1674,9 @@ def _fit(want: int, n: int) -> int:
     return want
 
 
-# The reference's tiles for its kernels of these GEMMs (up: 37.2 ms a last-stage step on an H200,
-# 2026-11-27, against 53.0 at 128 x 128 with the old loop; no sweep yet): a 128 x 256 fp32 accumulator
+# The reference's tiles for its kernels of these GEMMs (up: 37.2 ms a last-stage step on an H200, 2026-11-27,
+# in a profile the head's out-of-bounds writes disturbed, against 53.0 at 128 x 128 with the old loop; no
+# sweep yet): a 128 x 256 fp32 accumulator
 # over 8 warps (128 registers a thread), 3 stages of input tiles in shared memory, 64 deep in bf16
 # (dpre: 48 KiB a stage), 128 in e4m3 (up: 48 KiB). Up was 128 x 128 while its epilogue spilled
 # registers at 128 x 256 (152 bytes a thread; tests/gpu/aot.py --sweep, 2026-11-27): its loop kept a
@@ -3108,7 +3110,7 @@ def parse_args(argv=None):
                                    "pallas on GPUs, xla elsewhere (Pallas interprets, slowly)"
                                    if AUTO_ON_GPU[field.name] == "pallas" else
                                    "xla everywhere for now (the Pallas kernels' fix of an out-of-bounds write "
-                                   "awaits a GPU run: AUTO_ON_GPU; --head pallas takes them)"))
+                                   f"awaits a GPU run: AUTO_ON_GPU; {flag} pallas takes them)"))
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         if field.type in (bool, "bool"):
