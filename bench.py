@@ -960,8 +960,8 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--attention", default="auto", choices=["auto", *sorted(tg.ATTENTION)],
-                        help="attention implementation of the model, as in train_gpt.py (default auto: pallas on "
-                        "GPUs, xla elsewhere)")
+                        help="attention implementation of the model, as in train_gpt.py (default auto: "
+                        f"{tg.AUTO_ON_GPU['attention']} on GPUs, xla elsewhere)")
     parser.add_argument("--mlp", default="auto", choices=["auto", *tg.GEMM_IMPLEMENTATIONS],
                         help="the FP8 MLP's implementation in the model, as in train_gpt.py (default auto: "
                         f"{tg.AUTO_ON_GPU['mlp']} on GPUs, xla elsewhere; the suite's one-layer MLP rows time each)")

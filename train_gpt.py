@@ -1677,9 +1677,10 @@ def _fit(want: int, n: int) -> int:
 # The reference's tiles for its kernels of these GEMMs (up: 37.2 ms a last-stage step on an H200, 2026-11-27,
 # in a profile the head's out-of-bounds writes disturbed, against 53.0 at 128 x 128 with the old loop; no
 # sweep yet): a 128 x 256 fp32 accumulator over 8 warps (128 registers a thread), 3 stages of input tiles
-# in shared memory, 64 deep in bf16 (dpre: 48 KiB a stage), 128 in e4m3 (up: 48 KiB). Up was 128 x 128 while its epilogue spilled
-# registers at 128 x 256 (152 bytes a thread; tests/gpu/aot.py --sweep, 2026-11-27): its loop kept a
-# second accumulator then (_triton_fp8_dots_accumulate_as_on_hopper); since, no up tile swept spills.
+# in shared memory, 64 deep in bf16 (dpre: 48 KiB a stage), 128 in e4m3 (up: 48 KiB). Up was 128 x 128
+# while its epilogue spilled registers at 128 x 256 (152 bytes a thread; tests/gpu/aot.py --sweep,
+# 2026-11-27): its loop kept a second accumulator then (_triton_fp8_dots_accumulate_as_on_hopper); since,
+# no up tile swept spills.
 PALLAS_MLP_UP = GemmTuning(rows=128, cols=256, depth=128, num_warps=8, num_stages=3)
 PALLAS_MLP_DPRE = GemmTuning(rows=128, cols=256, depth=64, num_warps=8, num_stages=3)
 
