@@ -432,10 +432,18 @@ def rms_norm(x, eps=F32_EPS):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def matmul(a, b):
+    """a @ b as torch's matmul in a's dtype: fp32 accumulation, the product rounded once to a's dtype as
+    the dot's own result. So on GPUs cuBLAS writes the bf16 product, not an fp32 one (twice the bytes)
+    that another kernel reads back to round; the barrier keeps the rounding where jax 0.10.2's XLA:CPU
+    would compute the product in fp32 and hand it on unrounded (excess precision)."""
+    return jax.lax.optimization_barrier(jnp.matmul(a, b, preferred_element_type=a.dtype))
+
+
 @jax.custom_vjp
 def linear(x, w_OxI):
     """F.linear: x @ Wᵀ in x's dtype with fp32 accumulation."""
-    return jnp.matmul(x, w_OxI.astype(x.dtype).T, preferred_element_type=F32).astype(x.dtype)
+    return matmul(x, w_OxI.astype(x.dtype).T)
 
 
 def _linear_bwd(res, g):
@@ -443,8 +451,8 @@ def _linear_bwd(res, g):
     on fp32 copies, the same values through fp32 GEMMs: TF32 at best on a GPU, half bf16's rate.)"""
     x, w_OxI = res
     g_NxO, x_NxI = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    dx = jnp.matmul(g, w_OxI.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
-    dw = jnp.matmul(g_NxO.T, x_NxI, preferred_element_type=F32).astype(x.dtype).astype(w_OxI.dtype)
+    dx = matmul(g, w_OxI.astype(x.dtype))
+    dw = matmul(g_NxO.T, x_NxI).astype(w_OxI.dtype)
     return dx, dw
 
 
@@ -726,8 +734,8 @@ def _bf16_rounded(x):
 
 
 def _bf16_kept(x):
-    """x rounded to bf16, as fp32 on bf16's grid: cast (so that a GEMM writes bf16), then rounded on the
-    bits too (a no-op, unless a fusion dropped the cast)."""
+    """x rounded to bf16, as fp32 on bf16's grid: cast, then rounded on the bits too (a no-op, unless a
+    fusion dropped the cast)."""
     return _bf16_rounded(f32(x.astype(BF16)))
 
 
@@ -739,14 +747,14 @@ def _relu2(acc):
 
 
 def _mlp_bwd_bf16(x_TxD, w1_FxD, w2_FxD, post_TxF, g_TxD, impl="xla"):
-    dw2 = jnp.matmul(post_TxF.T, g_TxD, preferred_element_type=F32).astype(BF16)
+    dw2 = matmul(post_TxF.T, g_TxD)
     if impl == "pallas":
         dpre = pallas_mlp_dpre(g_TxD, w2_FxD, post_TxF)
     else:
-        c = _bf16_kept(jnp.matmul(g_TxD, w2_FxD.T, preferred_element_type=F32))
+        c = f32(matmul(g_TxD, w2_FxD.T))
         dpre = (2 * c * jnp.sqrt(f32(post_TxF))).astype(BF16)
-    dw1 = jnp.matmul(dpre.T, x_TxD, preferred_element_type=F32).astype(BF16)
-    dx = jnp.matmul(dpre, w1_FxD, preferred_element_type=F32).astype(BF16)
+    dw1 = matmul(dpre.T, x_TxD)
+    dx = matmul(dpre, w1_FxD)
     return dx, dw1, dw2
 
 
@@ -757,8 +765,8 @@ def mlp_bf16(x_TxD, w1_FxD, w2_FxD):
 
 
 def _mlp_bf16_fwd(x_TxD, w1_FxD, w2_FxD):
-    post = _relu2(jnp.matmul(x_TxD, w1_FxD.T, preferred_element_type=F32)).astype(BF16)
-    return jnp.matmul(post, w2_FxD, preferred_element_type=F32).astype(BF16), (x_TxD, w1_FxD, w2_FxD, post)
+    post = _relu2(matmul(x_TxD, w1_FxD.T)).astype(BF16)
+    return matmul(post, w2_FxD), (x_TxD, w1_FxD, w2_FxD, post)
 
 
 mlp_bf16.defvjp(_mlp_bf16_fwd, lambda res, g: _mlp_bwd_bf16(*res, g))

@@ -355,6 +355,17 @@ def _fusion_kind(ins: Instr) -> str:
     return m[1] if m else ""
 
 
+def _custom_fusion(ins: Instr) -> str:
+    """A custom fusion's name (XLA's dynamic_slice_fusion: a library call reading or writing slices in place)."""
+    m = re.search(r'"custom_fusion_config"\s*:\s*\{"name"\s*:\s*"([^"]+)"', ins.attrs)
+    return m[1] if m else ""
+
+
+def _cublas_call(ins: Instr) -> bool:
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    return bool(target and target[1].startswith("__cublas"))
+
+
 def pallas_kernel(ins: Instr):
     """The kernel's name of a Pallas kernel's custom call (a Triton call), else None."""
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
@@ -479,9 +490,9 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
             if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while",
                           "conditional", "call") or ins.op.endswith("-start"):  # an async op's -done writes
                 continue
-            target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-            gemm = (_fusion_kind(ins) in GEMM_FUSION_KINDS or bool(target and target[1].startswith("__cublas"))
-                    or pallas_gemm(ins) is not None)
+            gemm = (_fusion_kind(ins) in GEMM_FUSION_KINDS or _cublas_call(ins) or pallas_gemm(ins) is not None
+                    or _custom_fusion(ins) == "dynamic_slice_fusion" and any(  # a GEMM reading a slice in place
+                        map(_cublas_call, module.computations[re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)[1]].values())))
             kernel = pallas_kernel(ins)
             for t in _array_types(ins.type):
                 if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) == "f8e5m2" \
@@ -858,6 +869,24 @@ def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found(
         '%gemm_fusion = (f32[64,96]{1,0}, s8[1024]{0}) custom-call(%x8, %w8), custom_call_target="__cublas$lt$matmul$f8"')
     assert "gemm_fusion in body: custom-call writes f32[64,96]" in head_logit_passes(cublas, V, 64)  # fp32 logits
     assert "gemm_fusion" not in " ".join(head_logit_passes(cublas.replace("(f32[64,96]", "(bf16[64,96]"), V, 64))
+    # validation's head: the bf16 GEMM inside XLA's dynamic-slice fusion, reading its rows of x in place
+    sliced = re.sub(r"%gemm .*?\n}\n", "", cublas, flags=re.S).replace("__cublas$lt$matmul$f8", "__cublas$lt$matmul")
+    sliced = sliced.replace("(f32[64,96]", "(bf16[64,96]")
+    sliced = sliced.replace('%gemm_fusion = (bf16[64,96]{1,0}, s8[1024]{0}) custom-call(%x8, %w8), '
+                            'custom_call_target="__cublas$lt$matmul"',
+                            "%gemm_fusion = (bf16[64,96]{1,0}, s8[1024]{0}) fusion(%x8, %w8), kind=kCustom, calls=%sliced, "
+                            'backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":'
+                            '{"name":"dynamic_slice_fusion","kernel_index":0}}}')
+    sliced = sliced.replace("%body (", """%sliced (d0: f8e4m3fn[64,32], d1: f8e4m3fn[32,96]) -> (bf16[64,96], s8[1024]) {
+  %d0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %d1 = f8e4m3fn[32,96]{1,0} parameter(1)
+  ROOT %call = (bf16[64,96]{1,0}, s8[1024]{0}) custom-call(%d0, %d1), custom_call_target="__cublas$lt$matmul"
+}
+
+%body (""", 1)
+    assert head_logit_passes(sliced, V, 64) == ["loop_convert_fusion in body: fusion writes bf16[64,96]"]
+    other = sliced.replace('"name":"dynamic_slice_fusion"', '"name":"some_other_fusion"')
+    assert "gemm_fusion in body: fusion writes bf16[64,96]" in head_logit_passes(other, V, 64)
 
 
 # tests/gpu/aot.py's static traffic estimate, on a hand-written module: a loop of 4 trips reads one

@@ -288,15 +288,32 @@ def test_eval_head_loss_matches_float64_on_the_same_bf16_logits():
     w = jnp.asarray(rng.normal(size=(D, V)) * np.geomspace(0.01, 3, V), BF16)  # |u| from ~0.1 to ~50
     targets = rng.integers(0, V, T)
     got = np.asarray(m.eval_head_loss(x, w, jnp.asarray(targets, jnp.int32)), np.float64)
-    u = np.asarray(jnp.matmul(x, w, preferred_element_type=F32).astype(BF16), np.float64)  # linear's bf16 output
+    u = np.asarray(m.linear(x, w.T), np.float64)  # the bf16 logits eval_head_loss reads
     z = 23 / (1 + np.exp(-(u + 5) / 7.5))
     want = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) - z[np.arange(T), targets]
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
 
 
+def test_matmul_stores_its_product_rounded_to_bf16_once():
+    """matmul: bf16 operands, fp32 sums, the product rounded once to bf16 as its dot's own result type (on a
+    GPU cuBLAS writes bf16, not an fp32 product that a pass rounds), and the rounding kept when a consumer
+    in the same jit reads it in fp32 (jax 0.10.2's XLA:CPU handed such a consumer the fp32 product)."""
+    rng = np.random.default_rng()
+    a = jnp.asarray(rng.normal(size=(64, 96)), BF16)
+    b = jnp.asarray(rng.normal(size=(96, 40)), BF16)
+    got = np.asarray(jax.jit(lambda a, b: m.matmul(a, b).astype(F32) * 3)(a, b), np.float64) / 3
+    assert np.array_equal(got, np.asarray(jnp.asarray(got, BF16), np.float64))  # on bf16's grid
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    exact, magnitude = a64 @ b64, np.abs(a64) @ np.abs(b64)
+    assert np.all(np.abs(got - exact) <= 2**-8 * np.abs(exact) + 96 * 2**-24 * magnitude)  # half a bf16 step
+    text = jax.jit(m.matmul).lower(a, b).as_text()
+    assert re.findall(r"stablehlo\.dot_general .*-> tensor<[\dx]*x(\w+)>", text) == ["bf16"]
+
+
 def test_linear_and_mlp_backward_run_bf16_gemms_with_autodiffs_values():
     """linear's backward gives what autodiff gives (its GEMMs on fp32 copies of the bf16 values) from
-    bf16 GEMMs with fp32 accumulation, as torch's backward; the MLP's backward GEMMs are bf16 too."""
+    bf16 GEMMs with fp32 accumulation, as torch's backward; the MLP's backward GEMMs are bf16 too, their
+    products stored in bf16 (matmul)."""
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.normal(size=(2, 48, 32)), BF16)
     w = jnp.asarray(rng.normal(size=(16, 32)) * 0.1, BF16)
@@ -311,12 +328,13 @@ def test_linear_and_mlp_backward_run_bf16_gemms_with_autodiffs_values():
 
     def gemm_operand_types(fn, *args):
         text = jax.jit(jax.grad(fn, argnums=tuple(range(len(args))))).lower(*args).as_text()
-        return re.findall(r"stablehlo\.dot_general .*: \(tensor<[\dx]*x(\w+)>, tensor<[\dx]*x(\w+)>\)", text)
+        return re.findall(r"stablehlo\.dot_general .*: \(tensor<[\dx]*x(\w+)>, tensor<[\dx]*x(\w+)>\) -> "
+                          r"tensor<[\dx]*x(\w+)>", text)
 
     w1, w2 = (jnp.asarray(rng.normal(size=(64, 32)) * 0.1, BF16) for _ in range(2))
     mlp_loss = lambda x, w1, w2: jnp.sum(m.mlp_bf16(x, w1, w2).astype(F32))  # noqa: E731
     for types, backward in ((gemm_operand_types(loss(m.linear), x, w), 2), (gemm_operand_types(mlp_loss, x[0], w1, w2), 4)):
-        assert len(types) >= backward and all(t == ("bf16", "bf16") for t in types), types
+        assert len(types) >= backward and all(t == ("bf16", "bf16", "bf16") for t in types), types
 
 
 def test_fp8_mlp_forward_and_bf16_backward():
