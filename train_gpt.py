@@ -11,6 +11,7 @@ Importing this file has no side effects; `python train_gpt.py --help` lists ever
 import argparse
 import dataclasses
 import difflib
+import faulthandler
 import glob
 import json
 import math
@@ -3233,6 +3234,9 @@ def auto_implementation(name: str) -> str:
 
 
 def main(argv=None) -> int:
+    # a crash in native code (a segmentation fault) prints every thread's Python stack, to the process's
+    # stderr (a replaced sys.stderr, as a test's capture, may have no file descriptor)
+    faulthandler.enable(sys.__stderr__)
     args, overrides = parse_args(argv)
     try:
         settings = distributed_settings(args)

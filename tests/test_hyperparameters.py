@@ -116,12 +116,14 @@ def test_a_copy_of_the_script_runs_alone_and_import_has_no_side_effects(tmp_path
     copy = tmp_path / "attempt" / "train_gpt.py"
     copy.parent.mkdir()
     copy.write_text(open(os.path.join(ROOT, "train_gpt.py")).read())
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONFAULTHANDLER")}
     result = subprocess.run([sys.executable, str(copy), "--help"], capture_output=True, text=True, cwd=tmp_path,
                             env=env, timeout=300)
     assert result.returncode == 0 and "--init-weights" in result.stdout, result.stderr[-2000:]
-    check = ("import sys; before = list(sys.path); import train_gpt; "
-             "assert sys.path == before, 'sys.path changed'; assert train_gpt.SOURCE == open(train_gpt.__file__).read()")
+    check = ("import faulthandler, sys; before = list(sys.path); import train_gpt; "
+             "assert sys.path == before, 'sys.path changed'; assert train_gpt.SOURCE == open(train_gpt.__file__).read(); "
+             "assert not faulthandler.is_enabled(); assert train_gpt.main(['--check', '--records-dir', 'r']) == 0; "
+             "assert faulthandler.is_enabled(), 'a segmentation fault would print no stack'")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=copy.parent, env=env,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
