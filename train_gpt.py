@@ -1897,12 +1897,10 @@ def polar_express(G_NxRxC, split=None):
     norm = jnp.sqrt(jnp.sum(g * g, axis=(-2, -1), keepdims=True))
     X = (g / (norm * np.float32(1.02) + np.float32(1e-6))).astype(BF16)
     for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = (_mm(_mT(X), X) if tall else _mm(X, _mT(X))).astype(BF16)
+        A = matmul(_mT(X), X) if tall else matmul(X, _mT(X))
         B = (_mm(A, _mT(A)) * np.float32(c) + A.astype(F32) * np.float32(b)).astype(BF16)
-        XB = _mm(X, B) if tall else _mm(B, X)
-        if split:
-            XB = XB.astype(BF16).astype(F32)
-        X = (XB + np.float32(a) * X.astype(F32)).astype(BF16)
+        gemm = matmul if split else _mm  # (split: X B stored in bf16)
+        X = (f32(gemm(X, B) if tall else gemm(B, X)) + np.float32(a) * X.astype(F32)).astype(BF16)
     return X
 
 
@@ -3234,9 +3232,6 @@ def auto_implementation(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    # a crash in native code (a segmentation fault) prints every thread's Python stack, to the process's
-    # stderr (a replaced sys.stderr, as a test's capture, may have no file descriptor)
-    faulthandler.enable(sys.__stderr__)
     args, overrides = parse_args(argv)
     try:
         settings = distributed_settings(args)
@@ -3274,4 +3269,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in native code (a segmentation fault) prints every thread's Python stack
     sys.exit(main())

@@ -887,6 +887,9 @@ def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found(
     assert head_logit_passes(sliced, V, 64) == ["loop_convert_fusion in body: fusion writes bf16[64,96]"]
     other = sliced.replace('"name":"dynamic_slice_fusion"', '"name":"some_other_fusion"')
     assert "gemm_fusion in body: fusion writes bf16[64,96]" in head_logit_passes(other, V, 64)
+    no_gemm = sliced.replace('custom-call(%d0, %d1), custom_call_target="__cublas$lt$matmul"',
+                             'custom-call(%d0, %d1), custom_call_target="some_library_call"')
+    assert "gemm_fusion in body: fusion writes bf16[64,96]" in head_logit_passes(no_gemm, V, 64)
 
 
 # tests/gpu/aot.py's static traffic estimate, on a hand-written module: a loop of 4 trips reads one

@@ -120,9 +120,14 @@ def test_a_copy_of_the_script_runs_alone_and_import_has_no_side_effects(tmp_path
     result = subprocess.run([sys.executable, str(copy), "--help"], capture_output=True, text=True, cwd=tmp_path,
                             env=env, timeout=300)
     assert result.returncode == 0 and "--init-weights" in result.stdout, result.stderr[-2000:]
-    check = ("import faulthandler, sys; before = list(sys.path); import train_gpt; "
+    # run as a script, it has faulthandler print every thread's stack at a crash in native code (a
+    # segmentation fault); imported or called (main), it leaves faulthandler as it is (pytest's)
+    check = ("import faulthandler, runpy, sys; before = list(sys.path); import train_gpt; "
              "assert sys.path == before, 'sys.path changed'; assert train_gpt.SOURCE == open(train_gpt.__file__).read(); "
-             "assert not faulthandler.is_enabled(); assert train_gpt.main(['--check', '--records-dir', 'r']) == 0; "
+             "assert train_gpt.main(['--check', '--records-dir', 'r']) == 0; assert not faulthandler.is_enabled(); "
+             "sys.argv = ['train_gpt.py', '--check', '--records-dir', 'r']\n"
+             "try: runpy.run_path(train_gpt.__file__, run_name='__main__')\n"
+             "except SystemExit as e: assert e.code == 0, e.code\n"
              "assert faulthandler.is_enabled(), 'a segmentation fault would print no stack'")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=copy.parent, env=env,
                             timeout=300)

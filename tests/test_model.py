@@ -288,7 +288,7 @@ def test_eval_head_loss_matches_float64_on_the_same_bf16_logits():
     w = jnp.asarray(rng.normal(size=(D, V)) * np.geomspace(0.01, 3, V), BF16)  # |u| from ~0.1 to ~50
     targets = rng.integers(0, V, T)
     got = np.asarray(m.eval_head_loss(x, w, jnp.asarray(targets, jnp.int32)), np.float64)
-    u = np.asarray(m.linear(x, w.T), np.float64)  # the bf16 logits eval_head_loss reads
+    u = np.asarray(jnp.matmul(x, w, preferred_element_type=F32).astype(BF16), np.float64)  # linear's bf16 output
     z = 23 / (1 + np.exp(-(u + 5) / 7.5))
     want = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) - z[np.arange(T), targets]
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
