@@ -967,7 +967,7 @@ def parse_args(argv=None):
                         f"{tg.AUTO_ON_GPU['mlp']} on GPUs, xla elsewhere; the suite's one-layer MLP rows time each)")
     parser.add_argument("--head", default="auto", choices=["auto", *tg.GEMM_IMPLEMENTATIONS],
                         help="the FP8 head's implementation in the model, as in train_gpt.py (default auto: "
-                        f"{tg.AUTO_ON_GPU['head']} on GPUs, train_gpt.AUTO_ON_GPU, xla elsewhere; the suite's head "
+                        f"{tg.AUTO_ON_GPU['head']} on GPUs (train_gpt.AUTO_ON_GPU), xla elsewhere; the suite's head "
                         "rows time each)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median; default 3)")
     parser.add_argument("--rounds", type=int, help="with --sweep: time every configuration once per round, round after "

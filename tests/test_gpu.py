@@ -361,16 +361,20 @@ def _custom_fusion(ins: Instr) -> str:
     return m[1] if m else ""
 
 
-def _cublas_call(ins: Instr) -> bool:
+def _call_target(ins: Instr) -> str:
+    """A custom call's target ("__cublas$lt$matmul", a Triton call, ...), else ""."""
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-    return bool(target and target[1].startswith("__cublas"))
+    return target[1] if target else ""
+
+
+def _cublas_call(ins: Instr) -> bool:
+    return _call_target(ins).startswith("__cublas")
 
 
 def pallas_kernel(ins: Instr):
     """The kernel's name of a Pallas kernel's custom call (a Triton call), else None."""
-    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
     name = re.search(r'\bname = "([^"]+)"', ins.attrs)
-    return name[1] if ins.op == "custom-call" and target and target[1] == TRITON_CALL and name else None
+    return name[1] if ins.op == "custom-call" and _call_target(ins) == TRITON_CALL and name else None
 
 
 def pallas_gemm(ins: Instr):
@@ -387,8 +391,7 @@ def gemm_sites(module: Module) -> list:
     for comp, instrs in module.computations.items():
         for ins in instrs.values():
             if ins.op == "custom-call":
-                target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-                kernel = pallas_gemm(ins) or (target[1] if target and target[1].startswith("__cublas") else None)
+                kernel = pallas_gemm(ins) or (_call_target(ins) if _cublas_call(ins) else None)
                 if not (kernel and len(ins.operands) >= 2):
                     continue
             elif ins.op == "dot":
