@@ -1008,18 +1008,36 @@ def _chunks(n, *arrays):
     return [x.reshape(n // c, c, *x.shape[1:]) for x in arrays]
 
 
-LM_HEAD_U_S = np.float32(LM_HEAD_X_S) * np.float32(LM_HEAD_W_S)  # the FP8 logits' dequantization, in fp32
+# The FP8 logits' dequantization x_s·w_s as three bf16 values, so that cuBLASLt writes the logits in bf16 itself
+# (one rounding, in its epilogue): XLA's GEMM rewriter gives an FP8 GEMM a bf16 output only for operands
+# dequantized in bf16, whose scales and alpha are bf16 then. Their product is exact in fp32 and 2.2e-6 below
+# fp32(x_s)·fp32(w_s), which no product of bf16 values equals (its mantissa is twice the prime 6,847,843).
+# With fp32 logits and a pass rounding them, a last-stage step moved 159 GB more (tests/gpu/aot.py).
+LM_HEAD_U_FACTORS = (232 * 2.0**-10, 239 * 2.0**-16, 247 * 2.0**-8)  # x's scale, w's scale, cuBLASLt's alpha
+LM_HEAD_U_S = np.float32(math.prod(LM_HEAD_U_FACTORS))  # the FP8 logits' dequantization, in fp32
 # the logits' gradient's factor, in the reference's order: grad_scale (1) · (A/C) · (1/grad_s)
 LM_HEAD_GRAD_COEF = np.float32(1.0) * (np.float32(1.0) / np.float32(SOFTCAP_C) * np.float32(SOFTCAP_A)) * (
     np.float32(1.0) / np.float32(LM_HEAD_GRAD_S))
 
 
-def _fp8_logits_f32(x_f8, w_f8):
-    return fp8_dot(x_f8, w_f8, ((1,), (0,))) * LM_HEAD_U_S
-
-
 def _fp8_logits(x_f8, w_f8):
-    return _fp8_logits_f32(x_f8, w_f8).astype(BF16)
+    """The head's bf16 logits: the fp32 sum of the e4m3 products times LM_HEAD_U_S, rounded once."""
+    a, b, alpha = (np.asarray(f, BF16) for f in LM_HEAD_U_FACTORS)
+
+    def cuda(x_f8, w_f8):  # XLA's FP8 pattern: cuBLASLt with the two scales and alpha, writing bf16
+        u = jax.lax.dot_general(x_f8.astype(BF16) * a, w_f8.astype(BF16) * b, (((1,), (0,)), ((), ())),
+                                preferred_element_type=BF16)
+        return u * alpha
+
+    def elsewhere(x_f8, w_f8):  # the same in fp32 (XLA:CPU would round the bf16 operands and products), the
+        # rounding by reduce_precision: jax 0.10.2's XLA:CPU fused the fp32 product into a reduction reading it,
+        # without the bf16 convert's rounding, even behind an optimization barrier
+        return jax.lax.reduce_precision(fp8_dot(x_f8, w_f8, ((1,), (0,))) * LM_HEAD_U_S, 8, 7).astype(BF16)
+
+    # XLA's own Triton GEMMs, where XLA_FLAGS turn them back on, would take the bf16 pattern as a bf16 GEMM (its
+    # operands and product rounded); the fp32 form they take as an FP8 GEMM rounding its output itself
+    return jax.lax.platform_dependent(x_f8, w_f8, cuda=cuda if xla_gemms_are_cublas() else elsewhere,
+                                      default=elsewhere)
 
 
 def _softcap_sigmoid(u, exp=None):
@@ -1061,10 +1079,9 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
     x_f8 = (f32(x_TxD) / np.float32(LM_HEAD_X_S)).astype(E4M3)
     w_f8 = (f32(w_DxV) / np.float32(LM_HEAD_W_S)).astype(E4M3)
     if impl == "pallas":
-        # cuBLASLt's FP8 GEMM writes the logits in fp32 (XLA's path rounds them in a pass of its own); one
-        # kernel rounds them and keeps each one's bf16 sigmoid with the normaliser's sums beside, as the
-        # reference's kernel does in shared memory; the gradient's kernel reads the sigmoids
-        sig_grad, lse = pallas_head_softcap(_fp8_logits_f32(x_f8, w_f8))
+        # one kernel keeps each logit's bf16 sigmoid with the normaliser's sums beside, as the reference's
+        # kernel does in shared memory; the gradient's kernel reads the sigmoids
+        sig_grad, lse = pallas_head_softcap(_fp8_logits(x_f8, w_f8))
         sig_t = f32(jnp.take_along_axis(sig_grad, cols_TxP, axis=1))
         g = pallas_head_grad(sig_grad, lse, total_T, cols_TxP, ws_TxP)
     else:
@@ -1658,7 +1675,7 @@ ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)
 # logits of cuBLASLt's FP8 GEMM (head_softcap, head_grad), with the reference's fast exp. Not a GEMM
 # kernel of ours: the head's K is only 768, and a Triton GEMM writing the logits with their normaliser's
 # sums ran at 368 TFLOP/s against cuBLASLt's 1,027 (one H200, 2026-11-27: 82.6 ms a last-stage step
-# against 29.6 for cuBLASLt's GEMM, plus 27.6 for its fp32 logits' rounding pass).
+# against 29.6 for cuBLASLt's GEMM, plus 27.6 for the rounding pass its fp32 logits had then: _fp8_logits).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1787,16 +1804,16 @@ def _exp_fast(x):
 
 
 def _head_softcap_kernel(logits_ref, sig_ref, sumexp_ref):
-    u = logits_ref[...].astype(BF16)  # the logits rounded to bf16, as the reference's GEMM writes them
+    u = logits_ref[...]  # bf16, as the reference's GEMM writes them
     sig = _bf16_rounded(_softcap_sigmoid(u, _exp_fast))  # _softcap_sig's rounding (Triton has no reduce_precision)
     sig_ref[...] = sig.astype(BF16)
     sumexp_ref[...] = jnp.sum(_exp_fast(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
 
 
 def pallas_head_softcap(logits_TxV, tuning=PALLAS_HEAD_PASS):
-    """(sig, lse) from the FP8 head's fp32 logits in one pass: sig = bf16(sigmoid((u + B)/C)) of the bf16
-    logits u, as _softcap_sig (the value the reference's kernel keeps of each logit), and each row's
-    log-sum-exp of z = A·sig, as _capped_lse, from the per-tile sums beside."""
+    """(sig, lse) from the FP8 head's bf16 logits u in one pass: sig = bf16(sigmoid((u + B)/C)), as
+    _softcap_sig (the value the reference's kernel keeps of each logit), and each row's log-sum-exp of
+    z = A·sig, as _capped_lse, from the per-tile sums beside."""
     T, V = logits_TxV.shape
     t = tuning.fit(T, V)
     tile = pl.BlockSpec((t.rows, t.cols), lambda j, i: (i, j))  # column tiles first: a row's in the L2 together
@@ -3207,6 +3224,13 @@ GPU_MEMORY_FRACTION = "0.90"
 # compiled in 76 s instead of 166 s; its last stage's step took 888 ms instead of 832 (bench.py --profile),
 # before the head gradient's transpose became a copy of its own (_train_head_vjp_bwd).
 XLA_FLAG_DEFAULTS = {"xla_gpu_enable_triton_gemm": "false"}
+
+
+def xla_gemms_are_cublas(environ=os.environ) -> bool:
+    """Whether XLA_FLAGS turn XLA's own Triton GEMMs off (XLA_FLAG_DEFAULTS; the last value named wins), so that
+    XLA's GPU GEMMs are cuBLAS's. Unset (XLA's default, on) or a file of flags: False."""
+    values = re.findall(r"--xla_gpu_enable_triton_gemm(?:=(\w*))?(?=\s|$)", environ.get("XLA_FLAGS", ""))
+    return bool(values) and values[-1].lower() in ("false", "0")  # a bare flag ('') turns them on
 
 
 def backend_defaults(environ=os.environ) -> None:

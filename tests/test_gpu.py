@@ -182,8 +182,10 @@ def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path, impl):
         pytest.skip("the dry run checks the XLA path's matmuls (interpreted, Pallas kernels are no GEMM calls)")
     hlo_file = tmp_path / "train_step.hlo.txt"
     run_case("hlo", PRESET, TRAIN_T, hlo_file, impl)
+    import train_gpt as tg
+
     text = hlo_file.read_text()
-    sites, problems = fp8_gemm_problems(text, PADDED_VOCAB)
+    sites, problems = fp8_gemm_problems(text, PADDED_VOCAB, dequant=float(tg.LM_HEAD_U_S))
     mlp = fp8_mlp_gemms(text, MLP_HIDDEN)
     listing = "\n".join(f"  {s}" for s in sites)
     if not ON_GPU:  # dry run: XLA:CPU has no FP8 GEMM, and the checker must reject every head matmul
@@ -194,8 +196,8 @@ def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path, impl):
     assert not problems, ("\n".join(problems) + f"\nhead matmuls found:\n{listing}\n(HLO text: {hlo_file})")
     # the up projection (x · W1) and the down projection (post · W2) of each of the 11 layers
     assert len(mlp) >= 2 * 11, ("\n".join(f"  {g}" for g in mlp) + f"\n(HLO text: {hlo_file})")
-    # the head's logits: the GEMM's, one pass rounding them, the gradient, and nothing else of their size
-    extra = beyond_the_rounding(head_logit_passes(text, PADDED_VOCAB, TRAIN_T), impl)
+    # the head's logits: the GEMM's bf16 ones, the gradient (and the Pallas head's sigmoids), nothing else of their size
+    extra = beyond_the_head(head_logit_passes(text, PADDED_VOCAB, TRAIN_T), impl)
     assert not extra, "\n".join(extra) + f"\n(HLO text: {hlo_file})"
     print(f"{len(sites)} head matmuls, all FP8 GEMMs:\n{listing}\n{len(mlp)} FP8 MLP GEMMs")
 
@@ -424,7 +426,23 @@ def upcast_from_f8(module: Module, computation: str, name: str, depth: int = 0) 
     return False
 
 
-def fp8_gemm_problems(hlo_text: str, vocab: int, min_count: int = 3):
+def _scalar_constant(module: Module, ins: Instr, i: int):
+    """The value of a custom call's i-th operand where it is a scalar constant, else None."""
+    producer = module.get(ins.computation, ins.operands[i]) if i < len(ins.operands) else None
+    try:
+        return float(producer.operands[0]) if producer and producer.op == "constant" and dims(producer.type) == [] \
+            else None
+    except ValueError:
+        return None
+
+
+def _dequantization(module: Module, ins: Instr) -> list:
+    """A cuBLASLt FP8 GEMM's output factors: [alpha, a's scale, b's scale] (None where not a constant)."""
+    alpha = re.search(r'"alpha_real"\s*:\s*([-+.\deE]+)', ins.attrs)
+    return [float(alpha[1]) if alpha else None, _scalar_constant(module, ins, 2), _scalar_constant(module, ins, 3)]
+
+
+def fp8_gemm_problems(hlo_text: str, vocab: int, min_count: int = 3, dequant: float = None):
     """(head GEMMs, problems) for compiled HLO text; no problems means the FP8 head is real.
 
     A head GEMM is a matmul with a dimension of size `vocab` (operands or result). Each must take
@@ -432,7 +450,9 @@ def fp8_gemm_problems(hlo_text: str, vocab: int, min_count: int = 3):
     cuDNN GEMM fusion whose dot reads f8, or one of train_gpt's Pallas GEMM kernels). At least `min_count` must
     exist (forward, dx, dw; more
     when the forward is recomputed), forward (e4m3 x e4m3) and backward (an e5m2 gradient) among
-    them. No matmul at all may read an f8 tensor upcast to bf16/f32 (an emulated FP8 matmul)."""
+    them; cuBLASLt's forward writes bf16 logits, and with `dequant` multiplies them by it (alpha times
+    the operands' scales, within 1e-6). No matmul at all may read an f8 tensor upcast to bf16/f32 (an
+    emulated FP8 matmul)."""
     module = parse_hlo(hlo_text)
     problems, heads = [], []
     for g in gemm_sites(module):
@@ -450,6 +470,13 @@ def fp8_gemm_problems(hlo_text: str, vocab: int, min_count: int = 3):
             problems.append(f"{g}: a head matmul left as a plain dot, not lowered to a GEMM kernel")
         elif g.kernel.startswith("__cublas") and g.kernel != CUBLAS_FP8:
             problems.append(f"{g}: a head matmul run by {g.kernel}, not {CUBLAS_FP8}")
+        elif g.kernel == CUBLAS_FP8 and types == ("f8e4m3fn", "f8e4m3fn"):
+            if element_type(g.result) != "bf16":
+                problems.append(f"{g}: cuBLASLt writes the logits in {element_type(g.result)}, not bf16 (train_gpt."
+                                f"_fp8_logits' pattern not taken: a pass more rounds them)")
+            factors = _dequantization(module, ins)
+            if dequant is not None and (None in factors or abs(math.prod(factors) / dequant - 1) > 1e-6):
+                problems.append(f"{g}: the logits multiplied by alpha, scales {factors}, not {dequant!r} in all")
     if len(heads) < min_count:
         problems.append(f"{len(heads)} head matmuls (a dimension of {vocab}) found, expected at least {min_count}: "
                         f"forward, dx and dw")
@@ -505,14 +532,12 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
     return extra
 
 
-def beyond_the_rounding(extra: list, head: str) -> list:
-    """head_logit_passes' list without the two arrays the FP8 head writes beside its GEMM's and gradient:
-    cuBLASLt's fp32 logits (XLA gives an FP8 GEMM a bf16 output only with bf16 scales, not the reference's
-    fp32 ones: README, Design notes) and the one pass that rounds them (head xla: a fusion writing the bf16
-    logits; pallas: the head_softcap kernel writing their bf16 sigmoids)."""
-    cublas_f32 = [e for e in extra if "custom-call writes f32[" in e][:1]
-    rounding = [e for e in extra if ("fusion" if head == "xla" else "custom-call head_softcap") + " writes bf16[" in e]
-    return [e for e in extra if e not in cublas_f32 + rounding[:len(cublas_f32)]]
+def beyond_the_head(extra: list, head: str) -> list:
+    """head_logit_passes' list without the one array the Pallas head writes between its two passes
+    (head: pallas): head_softcap's bf16 sigmoids, which the reference's kernel keeps in shared memory.
+    XLA's head writes none: its two passes read the GEMM's bf16 logits (train_gpt._fp8_logits)."""
+    kept = [e for e in extra if "custom-call head_softcap writes bf16[" in e][:1] if head == "pallas" else []
+    return [e for e in extra if e not in kept]
 
 
 # Hand-written HLO in the printed formats, at small sizes: head dimension V = 96, T = 64, D = 32.
@@ -697,6 +722,22 @@ def test_cublaslt_fp8_head_passes_and_bf16_gemms_elsewhere_are_ignored():
         ("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn")]
 
 
+def test_cublaslt_fp8_head_writing_fp32_logits_or_scaling_them_otherwise_fails():
+    """train_gpt._fp8_logits has cuBLASLt round the logits to bf16 itself, scaled by alpha x the two scales."""
+    hlo = CUBLAS_HLO.replace("%cublas-lt-matmul.1 = (bf16[64,96]", "%cublas-lt-matmul.1 = (f32[64,96]")
+    _, problems = fp8_gemm_problems(hlo, V)
+    assert len(problems) == 1 and "cublas-lt-matmul.1" in problems[0] and "logits in f32, not bf16" in problems[0]
+    line = next(l for l in CUBLAS_HLO.splitlines() if "%cublas-lt-matmul.1 =" in l)
+    scaled = line.replace("%one, %one)", "%sx, %sw)").replace('"alpha_real":1,', '"alpha_real":0.96484375,')
+    hlo = CUBLAS_HLO.replace(line, "  %sx = f32[] constant(0.2265625)\n  %sw = f32[] constant(0.00364685059)\n" + scaled)
+    u_s = 0.2265625 * 0.0036468505859375 * 0.96484375
+    assert fp8_gemm_problems(hlo, V, dequant=u_s)[1] == [] and fp8_gemm_problems(CUBLAS_HLO, V, dequant=1.0)[1] == []
+    for wrong in (u_s * (1 + 2.3e-5), 1.0):  # two bf16 factors' best; alpha and scales 1
+        assert [p for p in fp8_gemm_problems(hlo, V, dequant=wrong)[1] if "not" in p and "in all" in p], wrong
+    hlo = hlo.replace("%sw = f32[] constant(0.00364685059)", "%sw = f32[] parameter(5)")
+    assert "[0.96484375, 0.2265625, None]" in fp8_gemm_problems(hlo, V, dequant=u_s)[1][0]  # a scale not a constant
+
+
 def test_triton_fp8_gemm_fusions_pass():
     heads, problems = fp8_gemm_problems(TRITON_HLO, V)
     assert problems == []
@@ -834,16 +875,16 @@ HEAD_HLO = """HloModule jit_train_step, is_scheduled=true
 """
 
 
-def test_the_fp8_head_may_write_cublas_fp32_logits_and_one_pass_rounding_them():
-    f32 = "gemm in body: custom-call writes f32[64,96]"
+def test_only_the_pallas_head_may_write_one_logit_sized_array_its_sigmoids():
+    f32 = "gemm in body: custom-call writes f32[64,96]"  # cuBLASLt's fp32 logits: _fp8_logits' pattern lost
     fusion = "loop_convert_fusion in body: fusion writes bf16[64,96]"
     kernel = "pallas_call.1 in body: custom-call head_softcap writes bf16[64,96]"
-    assert beyond_the_rounding([f32, fusion], "xla") == [] and beyond_the_rounding([f32, kernel], "pallas") == []
-    assert beyond_the_rounding([f32, kernel], "xla") == [kernel]  # each head its own rounding pass
-    assert beyond_the_rounding([f32, fusion], "pallas") == [fusion]
-    assert beyond_the_rounding([fusion], "xla") == [fusion]  # a rounding pass needs the fp32 logits before it
-    again = [f32.replace("gemm", "gemm.2"), fusion.replace("loop", "loop.2"), "z in body: fusion writes f32[64,96]"]
-    assert beyond_the_rounding([f32, fusion, *again], "xla") == again  # one of each, nothing else
+    assert beyond_the_head([kernel], "pallas") == [] and beyond_the_head([], "xla") == []
+    assert beyond_the_head([kernel], "xla") == [kernel]  # XLA's head keeps no sigmoids
+    assert beyond_the_head([f32, fusion], "xla") == [f32, fusion]  # nor fp32 logits and a pass rounding them
+    assert beyond_the_head([f32, kernel], "pallas") == [f32]
+    again = kernel.replace("pallas_call.1", "pallas_call.2")
+    assert beyond_the_head([kernel, again], "pallas") == [again]  # one, nothing else
 
 
 def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found():
@@ -1381,12 +1422,8 @@ def case_head(T: int) -> dict:
         # compared on the device (T x 50,304 logits: 20 GB each in float64)
         x_f8 = (x.astype(jnp.float32) / np.float32(tg.LM_HEAD_X_S)).astype(tg.E4M3)
         w_f8 = (w.astype(jnp.float32) / np.float32(tg.LM_HEAD_W_S)).astype(tg.E4M3)
-        logits = tg._fp8_logits_f32(x_f8, w_f8)
-        sig_p, lse_p = tg.pallas_head_softcap(logits)
-        # through a barrier, as the train program keeps them: else XLA's GPU compiler feeds the fp32 GEMM
-        # output to the consumers below, without the bf16 rounding (excess precision; 2026-11-27, one
-        # H200: 99.8% of the logits apart from another path's)
-        u_x = jax.lax.optimization_barrier(logits.astype(jnp.bfloat16))
+        u_x = tg._fp8_logits(x_f8, w_f8)  # cuBLASLt's bf16 logits (the FP8 check: no fp32 ones in between)
+        sig_p, lse_p = tg.pallas_head_softcap(u_x)
         sig_x = tg._softcap_sig(u_x)
         lse_x = tg._capped_lse(np.float32(tg.SOFTCAP_A) * sig_x)
         sig_p = sig_p.astype(jnp.float32)

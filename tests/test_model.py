@@ -191,6 +191,43 @@ def test_yarn_scales_the_softmax_as_the_reference_logs_it():
     assert m.windows(1284, hp, final_val=True) == (768, 2560) and m.yarn_state(1285, hp)[1] == m.yarn_state(1270, hp)[1]
 
 
+def test_fp8_logits_round_the_fp32_sums_once_and_lower_to_xlas_bf16_fp8_pattern_for_cuda(monkeypatch):
+    """_fp8_logits: the fp32 sum of the e4m3 products times LM_HEAD_U_S, rounded once to bf16 (also where a
+    reduction reads it in fp32); LM_HEAD_U_S the exact product of three bf16 values, 2.2e-6 below
+    fp32(x_s)·fp32(w_s). Lowered for CUDA with cuBLAS's GEMMs: XLA's pattern for an FP8 GEMM with a bf16
+    output (bf16 operands dequantized by two of them, the product times the third), which
+    tests/test_gpu.py's FP8 check finds compiled as one cuBLASLt call writing bf16; with XLA's Triton
+    GEMMs, the fp32 FP8 dot."""
+    factors = m.LM_HEAD_U_FACTORS
+    assert all(float(jnp.asarray(f, BF16)) == f for f in factors) and float(m.LM_HEAD_U_S) == math.prod(factors)
+    fp32_product = float(np.float32(m.LM_HEAD_X_S) * np.float32(m.LM_HEAD_W_S))
+    assert -2.2e-6 < float(m.LM_HEAD_U_S) / fp32_product - 1 < 0
+    rng = np.random.default_rng()
+    x_f8 = jnp.asarray(rng.normal(size=(64, 96)) * 8, F32).astype(m.E4M3)
+    w_f8 = jnp.asarray(rng.normal(size=(96, 200)) * 8, F32).astype(m.E4M3)
+    got = np.asarray(jax.jit(lambda x, w: m._fp8_logits(x, w).astype(F32) * 3)(x_f8, w_f8), np.float64) / 3
+    assert np.array_equal(got, np.asarray(jnp.asarray(got, BF16), np.float64))  # on bf16's grid
+    x64, w64, u_s = np.asarray(x_f8, np.float64), np.asarray(w_f8, np.float64), float(m.LM_HEAD_U_S)
+    exact, magnitude = x64 @ w64 * u_s, np.abs(x64) @ np.abs(w64) * u_s
+    half_step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(exact), 2.0**-60))) - 8)
+    assert np.all(np.abs(got - exact) <= half_step + 96 * 2**-24 * magnitude)
+    row_sums = np.asarray(jax.jit(lambda x, w: jnp.sum(m._fp8_logits(x, w).astype(F32), axis=1))(x_f8, w_f8))
+    np.testing.assert_allclose(row_sums, got.sum(axis=1), rtol=1e-6, atol=1e-6)  # the rounded values' sums
+
+    def dots(xla_flags):
+        monkeypatch.setenv("XLA_FLAGS", xla_flags)
+        fresh = jax.jit(lambda x, w: m._fp8_logits(x, w))  # traced anew: jit caches by function
+        text = fresh.trace(x_f8, w_f8).lower(lowering_platforms=("cuda",)).as_text()
+        return text, re.findall(r"stablehlo\.dot_general .*: \(tensor<[\dx]*x(\w+)>, tensor<[\dx]*x(\w+)>\) -> "
+                                r"tensor<[\dx]*x(\w+)>", text)
+
+    text, found = dots("--xla_gpu_enable_triton_gemm=false")  # as train_gpt.backend_defaults sets it
+    assert found == [("bf16", "bf16", "bf16")]
+    constants = re.findall(r"stablehlo\.constant dense<([-+.\deE]+)> : tensor<bf16>", text)
+    assert sorted(float(jnp.asarray(float(c), BF16)) for c in constants) == sorted(factors)
+    assert dots("--xla_gpu_enable_triton_gemm=true")[1] == [("f8E4M3FN", "f8E4M3FN", "f32")]
+
+
 @pytest.mark.parametrize("impl", m.GEMM_IMPLEMENTATIONS)  # pallas: the head's two passes after the same GEMM
 def test_train_head_loss_matches_float64_on_the_same_fp8_logits(impl):
     rng = np.random.default_rng(4)
@@ -255,9 +292,9 @@ def test_the_head_passes_match_the_xla_path_tile_by_tile():
     rng = np.random.default_rng()
     T, V, P = 64, 512, 3  # P: no power of two
     tuning = m.PassTuning(rows=8, cols=128, num_warps=4)
-    logits = jnp.asarray(rng.normal(0, 3, (T, V)), F32)  # fp32: the kernel rounds them to bf16 first
+    logits = jnp.asarray(rng.normal(0, 3, (T, V)), BF16)  # bf16, as _fp8_logits writes them
     sig, lse = m.pallas_head_softcap(logits, tuning)
-    want_sig = m._softcap_sig(logits.astype(BF16))  # unrounded logits would take other sigmoids in ~1/6
+    want_sig = m._softcap_sig(logits)
     got, want = np.asarray(sig, np.float64), np.asarray(want_sig, np.float64)
     assert sig.dtype == BF16 and np.mean(got != want) <= 1e-3
     assert np.all(np.abs(got - want) <= 2.0**-8)  # one bf16 step at most (sigmoids below 1)

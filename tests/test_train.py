@@ -261,6 +261,20 @@ def test_backend_defaults_give_the_gpu_pool_90_percent_and_xla_cublas_gemms_unle
     assert env["XLA_FLAGS"] == "/home/me/xla_flags.txt"
 
 
+def test_xla_gemms_are_cublas_where_xla_flags_turn_tritons_off_last():
+    """The FP8 head's bf16 pattern is cuBLASLt's (train_gpt._fp8_logits); XLA's Triton GEMMs, on unless named
+    off, would run it as a bf16 GEMM."""
+    env = {}
+    tg.backend_defaults(env)
+    assert tg.xla_gemms_are_cublas(env)
+    for flags, cublas in (("", False), ("--xla_dump_to=/tmp/d", False), ("--xla_gpu_enable_triton_gemm=0", True),
+                          ("--xla_gpu_enable_triton_gemm=true", False), ("--xla_gpu_enable_triton_gemm", False),
+                          ("--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_triton_gemm", False),
+                          ("--xla_gpu_enable_triton_gemm=true --xla_gpu_enable_triton_gemm=False", True),
+                          ("--xla_gpu_enable_triton_gemm_any=false", False), ("/home/me/xla_flags.txt", False)):
+        assert tg.xla_gemms_are_cublas({"XLA_FLAGS": flags}) == cublas, flags
+
+
 def test_the_eta_prices_the_steps_left_by_their_tokens():
     """A later stage's step holds more tokens, so it takes longer than the steps timed so far."""
     tokens_S = np.array([100, 100, 200, 200, 300, 300], np.float64)

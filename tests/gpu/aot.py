@@ -64,7 +64,7 @@ from bench import gemm_kernels_named, parse_sweep, source_of, tuning_name  # noq
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
-    from test_gpu import (beyond_the_rounding, dims, element_type, fp8_gemm_problems, fp8_mlp_gemms,  # noqa: E402
+    from test_gpu import (beyond_the_head, dims, element_type, fp8_gemm_problems, fp8_mlp_gemms,  # noqa: E402
                           head_logit_passes, pallas_gemm, parse_hlo)
 except ImportError as e:
     print(f"tests/gpu/aot.py: {e}; it runs in an environment of its own, with JAX's CUDA plugin and pytest:\n"
@@ -378,11 +378,12 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
                  f"{H100_MEMORY / GIB:.1f} GiB"]
         # the train head's logits are the chunk's rows at once; validation's, LOSS_CHUNK rows at a time
         extra = head_logit_passes(text, hp.padded_vocab, chunk if is_train else math.gcd(chunk, tg.LOSS_CHUNK))
-        extra = beyond_the_rounding(extra, head) if is_train else extra
+        extra = beyond_the_head(extra, head) if is_train else extra
         logits_note = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else  # validation: no gradient
-                                         "GEMM, rounding and gradient only" if is_train else "GEMM only")
+                                         ("GEMM, sigmoids and gradient only" if head == "pallas" else
+                                          "GEMM and gradient only") if is_train else "GEMM only")
         if is_train:
-            sites, problems = fp8_gemm_problems(text, hp.padded_vocab)
+            sites, problems = fp8_gemm_problems(text, hp.padded_vocab, dequant=float(tg.LM_HEAD_U_S))
             gemms = fp8_mlp_gemms(text, 4 * hp.model_dim)
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
                          + f", {len(gemms)} MLP GEMMs" + ("" if len(gemms) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")

@@ -26,7 +26,7 @@
 #   OUT=$OUT/x BUDGET_S=130 tests/gpu/session.sh short-pallas
 #                          # call 3 if budget_left_s - 40 holds it (an H100: 160): today's default, XLA's head,
 #                          # against call 1's Pallas head in the same session (all three calls run matmul's bf16
-#                          # GEMM outputs for the first time: tests/gpu/README.md)
+#                          # GEMM outputs and the head GEMM's bf16 logits for the first time: tests/gpu/README.md)
 #   SWEEP=up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3 OUT=$OUT/s BUDGET_S=120 \
 #       tests/gpu/session.sh sweep
 #                          # call 4 if budget_left_s - 40 holds it: mlp_up's tile (the reference's, the old one)
