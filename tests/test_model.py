@@ -605,7 +605,8 @@ def test_the_fp8_heads_backward_dots_ask_for_exact_accumulation_and_its_forward_
 
     highest = (jax.lax.Precision.HIGHEST,) * 2
     dots = list(fp8_dots(jaxpr.jaxpr))
-    assert [p for p, _ in dots if p != highest] == [None]  # the forward's logits
+    forward = [p for p, _ in dots if p != highest]  # the forward's logits: a dot in each platform's branch
+    assert forward and set(forward) == {None}
     assert sorted(sorted(types) for p, types in dots if p == highest) == [
         ["float8_e4m3fn", "float8_e5m2"], ["float8_e4m3fn", "float8_e5m2"]]  # dx: g · w, dW: x · g
 
