@@ -10,7 +10,8 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
             machine's cores), XLA's memory (arguments + temporaries) against the H100's 80 GB, and
             for each train program the GPU lane's FP8 check (tests/test_gpu.py: every head matmul
             and the 22 MLP projections are FP8 GEMMs; the head writes no array of its logits' size
-            but the GEMM's, one rounding them and the gradient; validation's, none but the GEMM's),
+            but the GEMM's bf16 logits and the gradient, with --head pallas also its sigmoids;
+            validation's, none but the GEMM's),
             the kernels ptxas says spill registers, and
             (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
             costliest source lines: it ranks costs, it is no timing;
@@ -378,10 +379,12 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
                  f"{H100_MEMORY / GIB:.1f} GiB"]
         # the train head's logits are the chunk's rows at once; validation's, LOSS_CHUNK rows at a time
         extra = head_logit_passes(text, hp.padded_vocab, chunk if is_train else math.gcd(chunk, tg.LOSS_CHUNK))
-        extra = beyond_the_head(extra, head) if is_train else extra
-        logits_note = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else  # validation: no gradient
-                                         ("GEMM, sigmoids and gradient only" if head == "pallas" else
-                                          "GEMM and gradient only") if is_train else "GEMM only")
+        if is_train:
+            extra = beyond_the_head(extra, head)
+            expected = "GEMM, sigmoids and gradient only" if head == "pallas" else "GEMM and gradient only"
+        else:
+            expected = "GEMM only"  # validation: no gradient
+        logits_note = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else expected)
         if is_train:
             sites, problems = fp8_gemm_problems(text, hp.padded_vocab, dequant=float(tg.LM_HEAD_U_S))
             gemms = fp8_mlp_gemms(text, 4 * hp.model_dim)
