@@ -35,7 +35,9 @@ The suite measures
               its HLO metadata, as tests/gpu/aot.py's static estimate ranks them; a kernel run
               inside a command buffer, by its own name: XLA names a kernel after its fusion, and one
               kernel serving identical fusions counts under the first's line; a Pallas kernel under
-              its calls' lines), and the device's idle time between ops by gap length with its 5
+              its calls' lines; a cuBLAS kernel, named by cuBLAS, under its GEMM's line where its
+              position between kernels of named instructions says which GEMM it is, and the header
+              says how many), and the device's idle time between ops by gap length with its 5
               longest gaps and their neighbours. Without
               --suite, only this, of that program compiled alone (or, with --compile-cache-dir, loaded
               from where a train_gpt.py run of the same shapes and attention compiled it); --stage K
@@ -485,6 +487,9 @@ HLO_OP_FRAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*?(
 # the line, in the backend config after the kernel's IR
 TRITON_CALL = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?custom_call_target="__gpu\$xla\.gpu\.triton"'
                          r'.*\bname = "([^"]+)"', re.M)
+HLO_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{$")  # a computation's first line
+CUBLAS_CALL = re.compile(r'custom_call_target="__cublas')  # XLA's GEMMs (cuBLAS, cuBLASLt, FP8 or not)
+LIBRARY_GEMM_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass", re.I)  # a cuBLAS kernel's name (nvjet_sm90_...)
 
 
 def profile_rows(train_state, trace_dir):
@@ -595,7 +600,7 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
     calls_of = defaultdict(list)
     for call, kernel_name in TRITON_CALL.findall(hlo_text):
         calls_of[kernel_name].append(call)
-    def op_of(e):
+    def named_op(e):
         op = e.get("args", {}).get("hlo_op")
         if op and not re.fullmatch(r"command_buffer[._]\d+", op):
             return op  # the event names its instruction
@@ -605,11 +610,14 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
             sources.setdefault(e["name"], " | ".join(sorted({sources.get(c, "?") for c in calls_of[base]})))
             jax_names.setdefault(e["name"], jax_names.get(calls_of[base][0]))
             return e["name"]
-        # a kernel of no instruction of the program (cuBLAS's, a copy): by its own name, not lumped with the
-        # buffer's other such kernels
-        return by_kernel.get(e["name"]) or by_kernel.get(base) or e["name"]
+        return by_kernel.get(e["name"]) or by_kernel.get(base)  # None: a kernel of no instruction
 
     device_events = device_op_events(events)
+    placed = gemms_by_position(device_events, named_op, hlo_text)
+
+    def op_of(e):  # a kernel of no instruction, not placed (a copy, ...): by its own name, not lumped with others
+        return named_op(e) or placed.get(id(e)) or e["name"]
+
     by_device = defaultdict(list)
     for e in device_events:
         by_device[e["pid"]].append(e)
@@ -648,8 +656,56 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
             "longest": sorted(gaps, key=lambda g: -g["us"])[:TOP_GAPS],
             # the step's time outside the device's first op .. last op: the host's first launch and last read-back
             "outside_ms_per_step": step_ms - span_us / 1e3 / per}
+    gemm_kernels = [e for e in device_events if named_op(e) is None and LIBRARY_GEMM_KERNEL.search(e["name"])]
+    gemms = {"kernels": len(gemm_kernels) / per, "placed": sum(id(e) in placed for e in gemm_kernels) / per,
+             "ms": sum(e["dur"] for e in gemm_kernels) / 1e3 / per,
+             "placed_ms": sum(e["dur"] for e in gemm_kernels if id(e) in placed) / 1e3 / per}
     return {"trace": trace_path, "steps": steps, "step_ms": step_ms, "device_busy_ms": busy_ms,
-            "device_busy_pct": 100 * busy_ms / step_ms, "top_ops": ops, "top_sources": lines, "idle": idle}
+            "device_busy_pct": 100 * busy_ms / step_ms, "top_ops": ops, "top_sources": lines, "idle": idle,
+            "library_gemms": gemms}
+
+
+def schedule(hlo_text: str) -> tuple:
+    """A scheduled module's text (each computation's instructions in the order they run) -> ({instruction:
+    (computation, index)}, {computation: [(index, cuBLAS call)]})."""
+    at, calls, computation = {}, defaultdict(list), None
+    for line in hlo_text.splitlines():
+        if head := HLO_COMPUTATION.match(line):
+            computation = head[1]
+        elif computation and (ins := HLO_INSTRUCTION.match(line)):
+            at[ins[1]] = (computation, len(at))
+            if CUBLAS_CALL.search(line):
+                calls[computation].append((len(at) - 1, ins[1]))
+    return at, calls
+
+
+def gemms_by_position(events: list, named_op, hlo_text: str) -> dict:
+    """{id(event): the cuBLAS call it ran} for the GEMM kernels that name no instruction (cuBLAS's inside a
+    command buffer, whose events carry the buffer's name and a kernel name of cuBLAS's own). One stream runs
+    its kernels in the order launched: the kernels between two of named instructions A and B of one
+    computation ran its instructions between A and B, so GEMM kernels there are its cuBLAS calls there,
+    in order, where their numbers agree; elsewhere (another number, A and B in other computations, no A)
+    they stay unplaced, rows of their own by their names. Kernels of two streams on one trace line (its
+    "XLA Ops" line holds all) could be placed wrongly where the numbers agree by chance; most disagree.
+    named_op(event): its instruction, or None."""
+    at, calls = schedule(hlo_text)
+    placed, streams = {}, defaultdict(list)
+    for e in events:
+        streams[e["pid"], e["tid"]].append(e)
+    for stream in streams.values():
+        anchor, pending = None, []
+        for e in sorted(stream, key=lambda e: e["ts"]):
+            op = named_op(e)
+            if op in at:
+                if anchor is not None and pending:
+                    (comp_a, a), (comp_b, b) = at[anchor], at[op]
+                    between = [call for i, call in calls[comp_a] if a < i < b] if comp_a == comp_b else []
+                    if len(between) == len(pending):
+                        placed.update(zip(map(id, pending), between))
+                anchor, pending = op, []
+            elif op is None and LIBRARY_GEMM_KERNEL.search(e["name"]):
+                pending.append(e)
+    return placed
 
 
 def idle_gaps(events: list) -> list:
@@ -682,6 +738,12 @@ def profile_lines(profile: dict) -> list:
            f"some op runs), idle between ops {idle['ms_per_step']:.1f}, outside its first op .. last "
            f"{idle['outside_ms_per_step']:.1f}; trace {profile['trace']}",
            f"{'op':<36}{'count':>8}{'ms':>10}{'% step':>8}  jax op (or kernel)"]
+    gemms = profile.get("library_gemms", {})
+    if gemms.get("kernels"):  # cuBLAS's kernels in command buffers: their calls read from the schedule, or not
+        out.insert(1, f"profile: cuBLAS kernels naming no instruction (inside command buffers) {gemms['kernels']:.4g} a "
+                      f"step, {gemms['ms']:.1f} ms; placed at their cuBLAS calls by their position between named "
+                      f"kernels (gemms_by_position) {gemms['placed']:.4g}, {gemms['placed_ms']:.1f} ms; the rest are "
+                      f"rows by their kernel names, under '?'")
     for op in profile["top_ops"]:
         where = short_op_name(op["jax_op"]) if op["jax_op"] else (op["kernel"] or "")[:70]
         out.append(f"{op['op'][:36]:<36}{op['count']:>8.4g}{op['ms']:>10.2f}{op['pct_of_step']:>8.1f}  {where}")
