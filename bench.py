@@ -252,7 +252,7 @@ def fwd_bwd(f, n_diff: int):
         _, vjp = jax.vjp(lambda *diff: f(*diff, *args[n_diff:]), *args[:n_diff])
         return vjp(cotangent)
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=tg.COMPILER_OPTIONS)  # rounding as the train program does
 
 
 # -----------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
     grads = jax.device_put(random_like(rng, params), replicated)
     state = jax.jit(lambda p: tg.init_optimizer_state(p, hp), out_shardings=replicated)(params)
     sv = tg.step_values_at(1, hp)
-    step = jax.jit(lambda p, g, s, sv: tg.optimizer_step(p, g, s, hp, sv))
+    step = jax.jit(lambda p, g, s, sv: tg.optimizer_step(p, g, s, hp, sv), compiler_options=tg.COMPILER_OPTIONS)
     compiled, compile_s = compile_timed(step, params, grads, state, sv)
     sec = seconds_per_call(compiled, (params, grads, state, sv), repeats)
     table.add("optimizer step (NorMuon + Adam)", sec, flops=polar_express_flops(hp), compiled=compiled,
@@ -358,7 +358,8 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
                 {**buffers, **p}, inputs, targets, a, True, scales, tg.prefix_targets(prefix_V, targets),
                 attention, hp.mlp, hp.head)[0])(p)
 
-        compiled, compile_s = compile_timed(jax.jit(loss_and_grads), trainable, inputs, targets, a)
+        compiled, compile_s = compile_timed(jax.jit(loss_and_grads, compiler_options=tg.COMPILER_OPTIONS), trainable,
+                                            inputs, targets, a)
         sec = seconds_per_call(compiled, (trainable, inputs, targets, a), repeats)
         docs = documents(inputs_RxT[:1, :T], hp.bos_id)
         name = f"model fwd+bwd {attention}{gemm_kernels_named(hp)} stage {tg.stage_of(first, hp)[0]} T={T}"

@@ -286,6 +286,12 @@ def windows(step: int, hp: Hyperparameters, final_val: bool = False) -> tuple:
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# XLA's GPU compiler may drop a rounding to bf16 whose value is read back in fp32 ("excess precision"):
+# compiled for an H100 (2026-11-27), 21 of the train program's kernels stored the residual stream and the
+# MLP's output in fp32, unrounded, where the code (and the reference) stores bf16. So the programs are
+# compiled to round where the code rounds (XLA:CPU drops some such roundings all the same: the pieces
+# that must round there do it on the bits, _bf16_rounded, or with reduce_precision).
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 PAIRED_LAYERS = (0, 2, 5, 9)
 LONG_WINDOW_LAYERS = (3, 10)
@@ -1251,7 +1257,7 @@ def padded_sequence(tokens, bos: int) -> tuple:
     return jnp.asarray(inputs), jnp.asarray(targets), T
 
 
-_jit_sequence_loss = jax.jit(sequence_loss, static_argnums=4)
+_jit_sequence_loss = jax.jit(sequence_loss, static_argnums=4, compiler_options=COMPILER_OPTIONS)
 
 
 # --- weights interop: ref89's npz (float32 arrays by the reference's parameter and buffer names) ---
@@ -2489,7 +2495,7 @@ def make_train_step(hp: Hyperparameters, mesh):
     return jax.jit(train_step, donate_argnums=(0, 2, 3),
                    in_shardings=(replicated, replicated, state, fp8_shardings, by_chunk, by_chunk, replicated,
                                  replicated, replicated, replicated),
-                   out_shardings=(replicated, state, fp8_shardings, replicated))
+                   out_shardings=(replicated, state, fp8_shardings, replicated), compiler_options=COMPILER_OPTIONS)
 
 
 def step_inputs(step: int, hp: Hyperparameters) -> tuple:
@@ -2543,7 +2549,8 @@ def make_val_step(hp: Hyperparameters, mesh):
     replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     return jax.jit(jax.shard_map(device_val, mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp"), P()), out_specs=P(),
                                  check_vma=False),
-                   in_shardings=(replicated, replicated, by_chunk, by_chunk, replicated), out_shardings=replicated)
+                   in_shardings=(replicated, replicated, by_chunk, by_chunk, replicated), out_shardings=replicated,
+                   compiler_options=COMPILER_OPTIONS)
 
 
 # -----------------------------------------------------------------------------

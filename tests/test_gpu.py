@@ -177,7 +177,7 @@ def case_train(preset: str, T: int, out_dir: str) -> dict:
 
 @lane
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path, impl):
+def test_train_program_gemms_are_fp8_and_its_activations_bf16(tmp_path, impl):
     if impl == "pallas" and not ON_GPU:
         pytest.skip("the dry run checks the XLA path's matmuls (interpreted, Pallas kernels are no GEMM calls)")
     hlo_file = tmp_path / "train_step.hlo.txt"
@@ -199,6 +199,10 @@ def test_train_program_head_and_mlp_matmuls_are_fp8_gemms(tmp_path, impl):
     # the head's logits: the GEMM's bf16 ones, the gradient (and the Pallas head's sigmoids), nothing else of their size
     extra = beyond_the_head(head_logit_passes(text, PADDED_VOCAB, TRAIN_T), impl)
     assert not extra, "\n".join(extra) + f"\n(HLO text: {hlo_file})"
+    # activations in bf16, as the code rounds them (not on the dry run: XLA:CPU's dots read fp32 copies)
+    widths = (MLP_HIDDEN // 4, 3 * MLP_HIDDEN // 4, MLP_HIDDEN)  # the model's, the fused qkv's, the MLP's
+    stored = fp32_activations(text, TRAIN_T, widths)
+    assert not stored, "\n".join(stored) + f"\n(HLO text: {hlo_file})"
     print(f"{len(sites)} head matmuls, all FP8 GEMMs:\n{listing}\n{len(mlp)} FP8 MLP GEMMs")
 
 
@@ -538,6 +542,29 @@ def beyond_the_head(extra: list, head: str) -> list:
     XLA's head writes none: its two passes read the GEMM's bf16 logits (train_gpt._fp8_logits)."""
     kept = [e for e in extra if "custom-call head_softcap writes bf16[" in e][:1] if head == "pallas" else []
     return [e for e in extra if e not in kept]
+
+
+def fp32_activations(hlo_text: str, rows: int, widths: tuple) -> list:
+    """Kernels other than GEMMs that write an fp32 activation, a (rows, width) array for a width in
+    `widths` (the model's, the fused qkv's, the MLP's hidden), as text. The code keeps activations in
+    bf16, as the reference does; XLA's GPU compiler had dropped their roundings where every reader
+    converts them back to fp32 (excess precision: train_gpt.COMPILER_OPTIONS), storing them in fp32,
+    unrounded, at twice the bytes. A GEMM's own fp32 output (an FP8 GEMM's, as the code asks) is no
+    such kernel."""
+    module = parse_hlo(hlo_text)
+    found = []
+    for comp, instrs in module.computations.items():
+        if comp in module.callers:  # inside a fused kernel: writes nothing to memory
+            continue
+        for ins in instrs.values():
+            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while",
+                          "conditional", "call", "constant") or _cublas_call(ins) or pallas_gemm(ins) is not None \
+                    or _fusion_kind(ins) in GEMM_FUSION_KINDS:
+                continue
+            for t in _array_types(ins.type):
+                if element_type(t) == "f32" and len(dims(t)) >= 2 and dims(t)[-2] == rows and dims(t)[-1] in widths:
+                    found.append(f"{ins.name} in {comp}: {ins.op} writes {t.split('{')[0]}")
+    return found
 
 
 # Hand-written HLO in the printed formats, at small sizes: head dimension V = 96, T = 64, D = 32.
@@ -885,6 +912,34 @@ def test_only_the_pallas_head_may_write_one_logit_sized_array_its_sigmoids():
     assert beyond_the_head([f32, kernel], "pallas") == [f32]
     again = kernel.replace("pallas_call.1", "pallas_call.2")
     assert beyond_the_head([kernel, again], "pallas") == [again]  # one, nothing else
+
+
+def test_a_kernel_storing_an_fp32_activation_is_found_and_gemms_outputs_are_not():
+    hlo = """HloModule jit_train_step, is_scheduled=true
+
+%fused_residual (param_0.1: bf16[64,32], param_1.1: f32[64,32]) -> f32[64,32] {
+  %param_0.1 = bf16[64,32]{1,0} parameter(0)
+  %convert.1 = f32[64,32]{1,0} convert(%param_0.1)
+  %param_1.1 = f32[64,32]{1,0} parameter(1)
+  ROOT %add.1 = f32[64,32]{1,0} add(%convert.1, %param_1.1)
+}
+
+ENTRY %main.9 (x.1: bf16[64,32], w.1: bf16[32,32], w8.1: f8e4m3fn[32,96]) -> f32[] {
+  %x.1 = bf16[64,32]{1,0} parameter(0)
+  %w.1 = bf16[32,32]{1,0} parameter(1)
+  %gemm = (f32[64,32]{1,0}, s8[1024]{0}) custom-call(%x.1, %w.1), custom_call_target="__cublas$lt$matmul"
+  %h = f32[64,32]{1,0} get-tuple-element(%gemm), index=0
+  %residual = f32[64,32]{1,0} fusion(%x.1, %h), kind=kLoop, calls=%fused_residual
+  %rounded = bf16[64,32]{1,0} fusion(%x.1, %h), kind=kLoop, calls=%fused_residual
+  %norm = (f32[64]{0}, f32[64,96]{1,0}, /*index=2*/f32[64,128]{1,0}) fusion(%x.1, %h), kind=kInput, calls=%fused_residual
+  %sums = f32[64]{0} fusion(%x.1, %h), kind=kInput, calls=%fused_residual
+  ROOT %r = f32[] constant(0)
+}
+"""
+    assert fp32_activations(hlo, 64, (32, 96)) == ["residual in main.9: fusion writes f32[64,32]",
+                                                    "norm in main.9: fusion writes f32[64,96]"]
+    assert fp32_activations(hlo, 64, (128,)) == ["norm in main.9: fusion writes f32[64,128]"]
+    assert fp32_activations(hlo, 32, (32, 96)) == []  # other rows: not an activation of this chunk
 
 
 def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found():

@@ -65,8 +65,8 @@ from bench import gemm_kernels_named, parse_sweep, source_of, tuning_name  # noq
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
-    from test_gpu import (beyond_the_head, dims, element_type, fp8_gemm_problems, fp8_mlp_gemms,  # noqa: E402
-                          head_logit_passes, pallas_gemm, parse_hlo)
+    from test_gpu import (beyond_the_head, dims, element_type, fp32_activations, fp8_gemm_problems,  # noqa: E402
+                          fp8_mlp_gemms, head_logit_passes, pallas_gemm, parse_hlo)
 except ImportError as e:
     print(f"tests/gpu/aot.py: {e}; it runs in an environment of its own, with JAX's CUDA plugin and pytest:\n"
           f"  {INSTALL}", file=sys.stderr)
@@ -385,6 +385,8 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
         else:
             expected = "GEMM only"  # validation: no gradient
         logits_note = "head logits: " + ("EXTRA PASSES: " + "; ".join(extra) if extra else expected)
+        stored = fp32_activations(text, chunk, (hp.model_dim, 3 * hp.model_dim, 4 * hp.model_dim))
+        logits_note += "; activations: " + (f"{len(stored)} STORED IN FP32: {stored[0]}, ..." if stored else "bf16")
         if is_train:
             sites, problems = fp8_gemm_problems(text, hp.padded_vocab, dequant=float(tg.LM_HEAD_U_S))
             gemms = fp8_mlp_gemms(text, 4 * hp.model_dim)
