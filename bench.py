@@ -668,15 +668,20 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
 
 def schedule(hlo_text: str) -> tuple:
     """A scheduled module's text (each computation's instructions in the order they run) -> ({instruction:
-    (computation, index)}, {computation: [(index, cuBLAS call)]})."""
+    (computation, index)}, {computation: [(index, cuBLAS call)]}). A fusion around a cuBLAS call (XLA's
+    dynamic-slice fusion: the GEMM reads a slice in place) is that call at the fusion's place: the
+    text lists a fused computation before its callers."""
     at, calls, computation = {}, defaultdict(list), None
     for line in hlo_text.splitlines():
         if head := HLO_COMPUTATION.match(line):
             computation = head[1]
         elif computation and (ins := HLO_INSTRUCTION.match(line)):
             at[ins[1]] = (computation, len(at))
+            fused = re.search(r"\bcalls=%?([\w.\-]+)", line)
             if CUBLAS_CALL.search(line):
                 calls[computation].append((len(at) - 1, ins[1]))
+            elif fused and calls.get(fused[1]):
+                calls[computation].append((len(at) - 1, calls[fused[1]][0][1]))
     return at, calls
 
 
@@ -688,7 +693,8 @@ def gemms_by_position(events: list, named_op, hlo_text: str) -> dict:
     in order, where their numbers agree; elsewhere (another number, A and B in other computations, no A)
     they stay unplaced, rows of their own by their names. Kernels of two streams on one trace line (its
     "XLA Ops" line holds all) could be placed wrongly where the numbers agree by chance; most disagree.
-    named_op(event): its instruction, or None."""
+    A kernel serving identical fusions (XLA names it after the first) anchors at the first's place: GEMM
+    kernels next to a later copy mostly stay unplaced. named_op(event): its instruction, or None."""
     at, calls = schedule(hlo_text)
     placed, streams = {}, defaultdict(list)
     for e in events:

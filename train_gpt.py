@@ -287,10 +287,11 @@ def windows(step: int, hp: Hyperparameters, final_val: bool = False) -> tuple:
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # XLA's GPU compiler may drop a rounding to bf16 whose value is read back in fp32 ("excess precision"):
-# compiled for an H100 (2026-11-27), 21 of the train program's kernels stored the residual stream and the
-# MLP's output in fp32, unrounded, where the code (and the reference) stores bf16. So the programs are
-# compiled to round where the code rounds (XLA:CPU drops some such roundings all the same: the pieces
-# that must round there do it on the bits, _bf16_rounded, or with reduce_precision).
+# compiled for an H100 (2026-11-27), 22 of the train program's kernels stored the residual stream, its
+# gradient, the MLP's output and the attention's values in fp32, unrounded, where the code (and the
+# reference) stores bf16. So the programs are compiled to round where the code rounds (XLA:CPU drops
+# some such roundings all the same: the pieces that must round there do it on the bits, _bf16_rounded,
+# or with reduce_precision).
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 PAIRED_LAYERS = (0, 2, 5, 9)
@@ -1307,7 +1308,7 @@ def train_grads(params: dict, tokens, hp: Hyperparameters, step: int) -> tuple:
     return training_pass(params, inputs, targets, schedule_values(step, hp), step, hp)[:2]
 
 
-@jax.jit
+@partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 def _jit_grads(trainable, buffers, inputs, targets, a, scales, prefix):
     """(gradients, loss, per-token losses) of one padded sequence in training mode."""
     def loss(trainable):
@@ -2088,7 +2089,7 @@ def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict
     return new_params | adam_params, new_state
 
 
-@partial(jax.jit, static_argnums=2)
+@partial(jax.jit, static_argnums=2, compiler_options=COMPILER_OPTIONS)
 def _first_step_params(params, grads, hp, step_values):
     return optimizer_step(params, grads, init_optimizer_state(params, hp), hp, step_values)[0]
 

@@ -261,30 +261,36 @@ def test_kernels_inside_a_command_buffer_count_under_their_fusions(tmp_path):
 def test_cublas_kernels_inside_a_command_buffer_are_placed_at_their_calls_by_position(tmp_path):
     """cuBLAS's kernels in a command buffer name no instruction: between two named kernels of one
     computation they ran its cuBLAS calls between those two in the schedule, in order, where the numbers
-    agree; two kernels for one call, kernels between computations, or before any named kernel stay rows
-    of their own names under '?'. A memcpy between does not count."""
+    agree (a dynamic-slice fusion's call at the fusion's place); two kernels for one call, kernels between
+    computations, or before any named kernel stay rows of their own names under '?'. A memcpy between
+    does not count; the trace's events come in any order."""
     cublas = ('  %{name} = (bf16[2]{{0}}, s8[8]{{0}}) custom-call(%p), custom_call_target="__cublas$lt$matmul{f8}", '
               'metadata={{op_name="jit(f)/{jax}" stack_frame_id={frame}}}\n')
     fusion = '  %{name} = f32[2]{{0}} fusion(%p), kind=kLoop, calls=%fused, metadata={{op_name="jit(f)/mul" stack_frame_id=3}}\n'
     hlo = ("HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(f32[2]{0})->f32[2]{0}}\n\n"
            "%fused (param_0: f32[2]) -> f32[2] {\n  %param_0 = f32[2]{0} parameter(0)\n"
            "  ROOT %negate.1 = f32[2]{0} negate(%param_0)\n}\n\n"
+           "%sliced_gemm (q: f32[2]) -> (bf16[2], s8[8]) {\n  %q = f32[2]{0} parameter(0)\n"
+           + cublas.format(name="custom-call.11", f8="", jax="dot_general", frame=2).replace("  %", "  ROOT %", 1) + "}\n\n"
            "%body (p: f32[2]) -> f32[2] {\n  %p = f32[2]{0} parameter(0)\n" + fusion.format(name="loop_fusion.1")
            + cublas.format(name="custom-call.2", f8="", jax="dot_general", frame=2)
            + "  %get-tuple-element.3 = bf16[2]{0} get-tuple-element(%custom-call.2), index=0\n"
            + cublas.format(name="custom-call.4", f8="$f8", jax="head_dot", frame=1) + fusion.format(name="loop_fusion.5")
            + cublas.format(name="custom-call.6", f8="", jax="dot_general", frame=2) + fusion.format(name="loop_fusion.7")
-           + "}\n\nENTRY %main (a: f32[2]) -> f32[2] {\n  %a = f32[2]{0} parameter(0)\n"
+           + "  %dynamic-slice-fusion.10 = (bf16[2]{0}, s8[8]{0}) fusion(%p), kind=kCustom, calls=%sliced_gemm\n"
+           + fusion.format(name="loop_fusion.12") + "}\n\nENTRY %main (a: f32[2]) -> f32[2] {\n  %a = f32[2]{0} parameter(0)\n"
            + cublas.format(name="custom-call.8", f8="", jax="dot_general", frame=2) + fusion.format(name="input_fusion.9")
            + "}\n" + FRAMES)
     runs = [("nvjet_sm90_lone", 0), ("loop_fusion_1", 1), ("nvjet_sm90_tss_a", 10), ("memcpy32_post", 1),
             ("nvjet_sm90_qqsss_b", 20), ("loop_fusion_5", 1), ("nvjet_sm90_tss_c", 30), ("loop_fusion_7", 1),
-            ("loop_fusion_5", 1), ("nvjet_sm90_two", 5), ("nvjet_sm90_two", 6), ("loop_fusion_7", 1),
+            ("nvjet_sm90_sliced", 8), ("loop_fusion_12", 1), ("loop_fusion_5", 1), ("nvjet_sm90_two", 5), ("nvjet_sm90_two", 6), ("loop_fusion_7", 1),
             ("nvjet_sm90_across", 7), ("input_fusion_9", 1)]
     events, t = [meta(2, process="/device:GPU:0"), meta(2, 1, thread="XLA Ops")], 0
     for name, dur in runs:
         events.append(op(2, 1, name, t, dur or 2, hlo_op="command_buffer_3"))
         t += 100
+    order = np.random.default_rng().permutation(len(events) - 2)
+    events = events[:2] + [events[2 + i] for i in order]
     path = tmp_path / "gpu.trace.json.gz"
     write_trace(path, events)
     profile = bench.top_device_ops(str(path), steps=1, step_ms=2.0, hlo_text=hlo, k=20)
@@ -292,16 +298,17 @@ def test_cublas_kernels_inside_a_command_buffer_are_placed_at_their_calls_by_pos
     assert rows["custom-call.2"] == ("nvjet_sm90_tss_a", "jit(f)/dot_general", pytest.approx(0.010))
     assert rows["custom-call.4"] == ("nvjet_sm90_qqsss_b", "jit(f)/head_dot", pytest.approx(0.020))
     assert rows["custom-call.6"] == ("nvjet_sm90_tss_c", "jit(f)/dot_general", pytest.approx(0.030))
+    assert rows["custom-call.11"] == ("nvjet_sm90_sliced", "jit(f)/dot_general", pytest.approx(0.008))
     assert "custom-call.8" not in rows
     for unplaced, ms in (("nvjet_sm90_lone", 0.002), ("nvjet_sm90_two", 0.011), ("nvjet_sm90_across", 0.007),
                          ("memcpy32_post", 0.001)):
         assert rows[unplaced] == (None, None, pytest.approx(ms))
     sources = {r["source"]: r["ms"] for r in profile["top_sources"]}
-    assert sources == {"mlp:12 < loss:30": pytest.approx(0.040), "loss:30": pytest.approx(0.020),
-                       "norm:7 < loss:30": pytest.approx(0.006), "?": pytest.approx(0.021)}
-    assert profile["library_gemms"] == {"kernels": 7, "placed": 3, "ms": pytest.approx(0.080),
-                                        "placed_ms": pytest.approx(0.060)}
-    assert "placed at their cuBLAS calls by their position between named kernels (gemms_by_position) 3, 0.1 ms" in \
+    assert sources == {"mlp:12 < loss:30": pytest.approx(0.048), "loss:30": pytest.approx(0.020),
+                       "norm:7 < loss:30": pytest.approx(0.007), "?": pytest.approx(0.021)}
+    assert profile["library_gemms"] == {"kernels": 8, "placed": 4, "ms": pytest.approx(0.088),
+                                        "placed_ms": pytest.approx(0.068)}
+    assert "placed at their cuBLAS calls by their position between named kernels (gemms_by_position) 4, 0.1 ms" in \
         "\n".join(bench.profile_lines(profile))
 
 

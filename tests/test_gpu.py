@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -508,6 +509,14 @@ def _array_types(type_: str) -> list:
     return [t for part in _split_top_level(type_[1:_balanced(type_, 0) - 1]) for t in _array_types(part)]
 
 
+def _is_gemm(module: Module, ins: Instr) -> bool:
+    """A GEMM kernel: a cuBLAS call, one in a dynamic-slice fusion (reading a slice in place), a GEMM fusion,
+    or a Pallas GEMM."""
+    return (_fusion_kind(ins) in GEMM_FUSION_KINDS or _cublas_call(ins) or pallas_gemm(ins) is not None
+            or _custom_fusion(ins) == "dynamic_slice_fusion" and any(
+                map(_cublas_call, module.computations[re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)[1]].values())))
+
+
 def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
     """Kernels that write an array of the head's logits beyond the two the fused head needs, as text:
     a kernel (an instruction outside fused computations; each output of a multi-output one) writing
@@ -524,9 +533,7 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
             if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while",
                           "conditional", "call") or ins.op.endswith("-start"):  # an async op's -done writes
                 continue
-            gemm = (_fusion_kind(ins) in GEMM_FUSION_KINDS or _cublas_call(ins) or pallas_gemm(ins) is not None
-                    or _custom_fusion(ins) == "dynamic_slice_fusion" and any(  # a GEMM reading a slice in place
-                        map(_cublas_call, module.computations[re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)[1]].values())))
+            gemm = _is_gemm(module, ins)
             kernel = pallas_kernel(ins)
             for t in _array_types(ins.type):
                 if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) == "f8e5m2" \
@@ -557,12 +564,13 @@ def fp32_activations(hlo_text: str, rows: int, widths: tuple) -> list:
         if comp in module.callers:  # inside a fused kernel: writes nothing to memory
             continue
         for ins in instrs.values():
-            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while",
-                          "conditional", "call", "constant") or _cublas_call(ins) or pallas_gemm(ins) is not None \
-                    or _fusion_kind(ins) in GEMM_FUSION_KINDS:
-                continue
+            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while", "conditional",
+                          "call", "constant") or ins.op.endswith("-start") or _is_gemm(module, ins):
+                continue  # (an async op's -done writes)
             for t in _array_types(ins.type):
-                if element_type(t) == "f32" and len(dims(t)) >= 2 and dims(t)[-2] == rows and dims(t)[-1] in widths:
+                d = [n for n in dims(t) if n != 1]  # either way round, the width maybe split (heads x head dim)
+                if element_type(t) == "f32" and len(d) >= 2 and (d[0] == rows and math.prod(d[1:]) in widths
+                                                                  or d[-1] == rows and math.prod(d[:-1]) in widths):
                     found.append(f"{ins.name} in {comp}: {ins.op} writes {t.split('{')[0]}")
     return found
 
@@ -933,13 +941,23 @@ ENTRY %main.9 (x.1: bf16[64,32], w.1: bf16[32,32], w8.1: f8e4m3fn[32,96]) -> f32
   %rounded = bf16[64,32]{1,0} fusion(%x.1, %h), kind=kLoop, calls=%fused_residual
   %norm = (f32[64]{0}, f32[64,96]{1,0}, /*index=2*/f32[64,128]{1,0}) fusion(%x.1, %h), kind=kInput, calls=%fused_residual
   %sums = f32[64]{0} fusion(%x.1, %h), kind=kInput, calls=%fused_residual
+  %sliced = (f32[64,32]{1,0}, s8[1024]{0}) fusion(%x.1, %w.1), kind=kCustom, calls=%sliced_gemm, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_slice_fusion"}}}
+  %heads = f32[64,4,8]{2,1,0} fusion(%x.1, %h), kind=kLoop, calls=%fused_residual
+  %xt = f32[32,64]{1,0} fusion(%x.1, %h), kind=kLoop, calls=%fused_residual
   ROOT %r = f32[] constant(0)
 }
+
+%sliced_gemm (p0: bf16[64,32], p1: bf16[32,32]) -> (f32[64,32], s8[1024]) {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,32]{1,0} parameter(1)
+  ROOT %g = (f32[64,32]{1,0}, s8[1024]{0}) custom-call(%p0, %p1), custom_call_target="__cublas$lt$matmul"
+}
 """
-    assert fp32_activations(hlo, 64, (32, 96)) == ["residual in main.9: fusion writes f32[64,32]",
-                                                    "norm in main.9: fusion writes f32[64,96]"]
+    stored = ["residual in main.9: fusion writes f32[64,32]", "norm in main.9: fusion writes f32[64,96]",
+              "heads in main.9: fusion writes f32[64,4,8]", "xt in main.9: fusion writes f32[32,64]"]
+    assert fp32_activations(hlo, 64, (32, 96)) == stored  # a GEMM's output, in a dynamic-slice fusion too: none
     assert fp32_activations(hlo, 64, (128,)) == ["norm in main.9: fusion writes f32[64,128]"]
-    assert fp32_activations(hlo, 32, (32, 96)) == []  # other rows: not an activation of this chunk
+    assert fp32_activations(hlo, 16, (32, 96)) == []  # other rows: not an activation of this chunk
 
 
 def test_a_pass_over_the_heads_logits_beyond_the_gemm_and_the_gradient_is_found():
@@ -1313,7 +1331,7 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
 
     attend = tg.ATTENTION[impl]
 
-    @jax.jit
+    @partial(jax.jit, compiler_options=tg.COMPILER_OPTIONS)  # rounding as the train program does
     def run(q, k, v, cot, w, s):  # window and scale are traced values, as in the model
         out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, docs, w, s), q, k, v)
         return out, *vjp(cot)
@@ -1383,7 +1401,7 @@ def case_mlp(T: int) -> dict:
     g = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
     w2_scale, act_scale = jnp.float32(0.04 * 1.12 / 448), jnp.float32(0.01)
 
-    @jax.jit
+    @partial(jax.jit, compiler_options=tg.COMPILER_OPTIONS)
     def kernels(x, w1, g):
         w1_f8, w1_scale = tg.quantize_up(w1)
         x_amax = jnp.max(jnp.where(valid[:, None], jnp.abs(x), 0)).astype(jnp.float32)
@@ -1407,14 +1425,16 @@ def case_mlp(T: int) -> dict:
         def f(x, w1, w2):
             out, amax = tg.mlp_fp8(x, w1, w2, w2_scale, act_scale, valid, impl)
             return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), (out, amax)
-        (_, aux), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, w1, w2)
+        (_, aux), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True),
+                                  compiler_options=tg.COMPILER_OPTIONS)(x, w1, w2)
         return [f64(a) for a in (*aux, *grads)]
 
     names = ["out", "amax", "dx", "dw1", "dw2"]
     vs_xla = {f"{n}_vs_xla": float(np.linalg.norm(a - b) / np.linalg.norm(b))
               for n, a, b in zip(names, run("pallas"), run("xla"))}
     # the XLA path's post (its forward's residual) on the same rows: which path a difference comes from
-    post_xla = jax.jit(lambda *a: tg._mlp_fp8_fwd(*a, w2_scale, act_scale, valid, "xla")[1][3])(x, w1, w2)
+    post_xla = jax.jit(lambda *a: tg._mlp_fp8_fwd(*a, w2_scale, act_scale, valid, "xla")[1][3],
+                       compiler_options=tg.COMPILER_OPTIONS)(x, w1, w2)
     post_all = f64(post)
     return {"T": T, "seed": seed, "post_ulps": ulps(f64(post[rows]), post64),
             "xla_post_ulps": ulps(f64(post_xla[rows]), post64), "post_differ": float(jnp.mean(post != post_xla)),
@@ -1464,7 +1484,7 @@ def case_head(T: int) -> dict:
 
     def run(impl):
         f = jax.jit(jax.value_and_grad(lambda x, w: tg.train_head_loss(x, w, cols, ws, total, impl), argnums=(0, 1),
-                                       has_aux=True))
+                                       has_aux=True), compiler_options=tg.COMPILER_OPTIONS)
         (_, losses), (dx, dw) = f(x, w)
         return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (losses, dx, dw)]
 
@@ -1472,7 +1492,7 @@ def case_head(T: int) -> dict:
 
     rows = np.sort(rng.choice(T, 64, replace=False))
 
-    @jax.jit
+    @partial(jax.jit, compiler_options=tg.COMPILER_OPTIONS)
     def softcap(x, w):  # both implementations' sigmoids and normaliser, as _train_head_fwd computes them;
         # compared on the device (T x 50,304 logits: 20 GB each in float64)
         x_f8 = (x.astype(jnp.float32) / np.float32(tg.LM_HEAD_X_S)).astype(tg.E4M3)
