@@ -509,6 +509,19 @@ def _array_types(type_: str) -> list:
     return [t for part in _split_top_level(type_[1:_balanced(type_, 0) - 1]) for t in _array_types(part)]
 
 
+def _kernels(module: Module):
+    """(computation, instruction) of each instruction that writes memory: outside fused computations (whose
+    instructions write nothing), not a parameter, tuple, bitcast, constant, loop or call, nor an async op's
+    start (its -done writes)."""
+    for comp, instrs in module.computations.items():
+        if comp in module.callers:
+            continue
+        for ins in instrs.values():
+            if ins.op not in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while",
+                              "conditional", "call", "constant") and not ins.op.endswith("-start"):
+                yield comp, ins
+
+
 def _is_gemm(module: Module, ins: Instr) -> bool:
     """A GEMM kernel: a cuBLAS call, one in a dynamic-slice fusion (reading a slice in place), a GEMM fusion,
     or a Pallas GEMM."""
@@ -526,20 +539,14 @@ def head_logit_passes(hlo_text: str, vocab: int, rows: int) -> list:
     kernel's is named with the kernel ("custom-call head_softcap writes ...")."""
     module = parse_hlo(hlo_text)
     extra = []
-    for comp, instrs in module.computations.items():
-        if comp in module.callers:  # inside a fused kernel: writes nothing to memory
-            continue
-        for ins in instrs.values():
-            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while",
-                          "conditional", "call") or ins.op.endswith("-start"):  # an async op's -done writes
+    for comp, ins in _kernels(module):
+        gemm = _is_gemm(module, ins)
+        kernel = pallas_kernel(ins)
+        for t in _array_types(ins.type):
+            if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) == "f8e5m2" \
+                    or (gemm and element_type(t) == "bf16"):
                 continue
-            gemm = _is_gemm(module, ins)
-            kernel = pallas_kernel(ins)
-            for t in _array_types(ins.type):
-                if sorted(dims(t)[-2:]) != sorted([rows, vocab]) or element_type(t) == "f8e5m2" \
-                        or (gemm and element_type(t) == "bf16"):
-                    continue
-                extra.append(f"{ins.name} in {comp}: {ins.op}{' ' + kernel if kernel else ''} writes {t.split('{')[0]}")
+            extra.append(f"{ins.name} in {comp}: {ins.op}{' ' + kernel if kernel else ''} writes {t.split('{')[0]}")
     return extra
 
 
@@ -560,18 +567,14 @@ def fp32_activations(hlo_text: str, rows: int, widths: tuple) -> list:
     such kernel."""
     module = parse_hlo(hlo_text)
     found = []
-    for comp, instrs in module.computations.items():
-        if comp in module.callers:  # inside a fused kernel: writes nothing to memory
+    for comp, ins in _kernels(module):
+        if _is_gemm(module, ins):
             continue
-        for ins in instrs.values():
-            if ins.op in ("parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "while", "conditional",
-                          "call", "constant") or ins.op.endswith("-start") or _is_gemm(module, ins):
-                continue  # (an async op's -done writes)
-            for t in _array_types(ins.type):
-                d = [n for n in dims(t) if n != 1]  # either way round, the width maybe split (heads x head dim)
-                if element_type(t) == "f32" and len(d) >= 2 and (d[0] == rows and math.prod(d[1:]) in widths
-                                                                  or d[-1] == rows and math.prod(d[:-1]) in widths):
-                    found.append(f"{ins.name} in {comp}: {ins.op} writes {t.split('{')[0]}")
+        for t in _array_types(ins.type):
+            d = [n for n in dims(t) if n != 1]  # either way round, the width maybe split (heads x head dim)
+            if element_type(t) == "f32" and len(d) >= 2 and (d[0] == rows and math.prod(d[1:]) in widths
+                                                              or d[-1] == rows and math.prod(d[:-1]) in widths):
+                found.append(f"{ins.name} in {comp}: {ins.op} writes {t.split('{')[0]}")
     return found
 
 
