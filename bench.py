@@ -614,10 +614,11 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
         return by_kernel.get(e["name"]) or by_kernel.get(base)  # None: a kernel of no instruction
 
     device_events = device_op_events(events)
-    placed = gemms_by_position(device_events, named_op, hlo_text)
+    instruction = {id(e): named_op(e) for e in device_events}
+    placed = gemms_by_position(device_events, instruction, hlo_text)
 
     def op_of(e):  # a kernel of no instruction, not placed (a copy, ...): by its own name, not lumped with others
-        return named_op(e) or placed.get(id(e)) or e["name"]
+        return instruction[id(e)] or placed.get(id(e)) or e["name"]
 
     by_device = defaultdict(list)
     for e in device_events:
@@ -657,7 +658,7 @@ def top_device_ops(trace_path: str, steps: int, step_ms: float, hlo_text: str = 
             "longest": sorted(gaps, key=lambda g: -g["us"])[:TOP_GAPS],
             # the step's time outside the device's first op .. last op: the host's first launch and last read-back
             "outside_ms_per_step": step_ms - span_us / 1e3 / per}
-    gemm_kernels = [e for e in device_events if named_op(e) is None and LIBRARY_GEMM_KERNEL.search(e["name"])]
+    gemm_kernels = [e for e in device_events if instruction[id(e)] is None and LIBRARY_GEMM_KERNEL.search(e["name"])]
     gemms = {"kernels": len(gemm_kernels) / per, "placed": sum(id(e) in placed for e in gemm_kernels) / per,
              "ms": sum(e["dur"] for e in gemm_kernels) / 1e3 / per,
              "placed_ms": sum(e["dur"] for e in gemm_kernels if id(e) in placed) / 1e3 / per}
@@ -685,7 +686,7 @@ def schedule(hlo_text: str) -> tuple:
     return at, calls
 
 
-def gemms_by_position(events: list, named_op, hlo_text: str) -> dict:
+def gemms_by_position(events: list, instruction: dict, hlo_text: str) -> dict:
     """{id(event): the cuBLAS call it ran} for the GEMM kernels that name no instruction (cuBLAS's inside a
     command buffer, whose events carry the buffer's name and a kernel name of cuBLAS's own). One stream runs
     its kernels in the order launched: the kernels between two of named instructions A and B of one
@@ -694,7 +695,7 @@ def gemms_by_position(events: list, named_op, hlo_text: str) -> dict:
     they stay unplaced, rows of their own by their names. Kernels of two streams on one trace line (its
     "XLA Ops" line holds all) could be placed wrongly where the numbers agree by chance; most disagree.
     A kernel serving identical fusions (XLA names it after the first) anchors at the first's place: GEMM
-    kernels next to a later copy mostly stay unplaced. named_op(event): its instruction, or None."""
+    kernels next to a later copy mostly stay unplaced. instruction: {id(event): its instruction, or None}."""
     at, calls = schedule(hlo_text)
     placed, streams = {}, defaultdict(list)
     for e in events:
@@ -702,7 +703,7 @@ def gemms_by_position(events: list, named_op, hlo_text: str) -> dict:
     for stream in streams.values():
         anchor, pending = None, []
         for e in sorted(stream, key=lambda e: e["ts"]):
-            op = named_op(e)
+            op = instruction[id(e)]
             if op in at:
                 if anchor is not None and pending:
                     (comp_a, a), (comp_b, b) = at[anchor], at[op]
