@@ -1056,9 +1056,12 @@ def _softcap_sigmoid(u, exp=None):
 
 
 def _softcap_sig(u):
-    """sigmoid((u + B)/C) in fp32, rounded to bf16 as the reference's kernel stores it; reduce_precision,
-    not a bf16 round trip, which XLA's GPU compiler drops inside a fused kernel (excess precision)."""
-    return jax.lax.reduce_precision(_softcap_sigmoid(u), 8, 7)
+    """sigmoid((u + B)/C) in fp32, rounded to bf16 as the reference's kernel stores it. On a GPU a bf16 round
+    trip, two hardware converts that COMPILER_OPTIONS keep (reduce_precision's bit arithmetic cost the head's
+    passes 5 more PTX instructions a logit); elsewhere reduce_precision: XLA:CPU drops the round trip where
+    the normaliser's sum reads it, with the options too."""
+    return jax.lax.platform_dependent(_softcap_sigmoid(u), cuda=lambda s: s.astype(BF16).astype(F32),
+                                      default=lambda s: jax.lax.reduce_precision(s, 8, 7))
 
 
 def _capped_lse(z):
@@ -1068,8 +1071,8 @@ def _capped_lse(z):
 
 
 def _targeted(column, cols, ws):
-    """The target columns' weights where `column` is one of them, summed where columns coincide:
-    elementwise, not a scatter, so that the gradient is one pass over the logits (XLA's or a kernel's)."""
+    """The target columns' weights where `column` is one of them, summed where columns coincide, elementwise:
+    at every column of a tile (head_grad's kernel, in its one pass) or at the targets' own (XLA's head)."""
     return sum(jnp.where(column == c, w, np.float32(0)) for c, w in zip(cols, ws))
 
 
@@ -1082,7 +1085,6 @@ def _logit_grads(sig, lse, total, targeted, exp=jnp.exp):
 
 
 def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
-    V = w_DxV.shape[1]
     x_f8 = (f32(x_TxD) / np.float32(LM_HEAD_X_S)).astype(E4M3)
     w_f8 = (f32(w_DxV) / np.float32(LM_HEAD_W_S)).astype(E4M3)
     if impl == "pallas":
@@ -1099,10 +1101,16 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
         u_norm, u_grad = jax.lax.optimization_barrier((u, u))
         lse = _capped_lse(np.float32(SOFTCAP_A) * _softcap_sig(u_norm))
         sig_t = _softcap_sig(jnp.take_along_axis(u_grad, cols_TxP, axis=1))
-        column_V = jnp.arange(V, dtype=cols_TxP.dtype)
-        targeted = _targeted(column_V, [cols_TxP[:, k:k + 1] for k in range(cols_TxP.shape[1])],
-                             [ws_TxP[:, k:k + 1] for k in range(ws_TxP.shape[1])])
-        g = _logit_grads(_softcap_sig(u_grad), lse, total_T, targeted)
+        # the gradient pass as if no column were a target, then the few target columns of each row set
+        # anew (in place): the pass compares no column with the targets (its PTX for sm_90 at the last stage,
+        # with _softcap_sig's converts: 72 -> 55 instructions a logit, tests/gpu/aot.py --head-ptx), and every
+        # logit's value is the same formula's.
+        # A column that is several targets gets the same value from each, whichever is written last.
+        cols = [cols_TxP[:, k:k + 1] for k in range(cols_TxP.shape[1])]
+        ws = [ws_TxP[:, k:k + 1] for k in range(ws_TxP.shape[1])]
+        g = _logit_grads(_softcap_sig(u_grad), lse, total_T, np.float32(0))
+        g_TxP = _logit_grads(sig_t, lse, total_T, _targeted(cols_TxP, cols, ws))
+        g = g.at[jnp.arange(g.shape[0])[:, None], cols_TxP].set(g_TxP)
     losses = jnp.sum(ws_TxP * (lse[:, None] - np.float32(SOFTCAP_A) * sig_t), axis=1)
     return losses, g, x_f8, w_f8
 

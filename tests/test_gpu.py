@@ -1250,6 +1250,26 @@ def test_the_sweep_names_the_tensor_core_instructions_of_each_kernel(tmp_path):
     assert mma_note("mlp_up_2", [hopper]) == "" and mma_note("mlp_dpre", []) == ""
 
 
+def test_head_ptx_counts_each_kernels_instructions_and_exponentials(tmp_path):
+    """tests/gpu/aot.py --head-ptx: a kernel's PTX instructions, a predicated one once, neither directives,
+    labels, braces nor comments; its ex2 among them; two kernels of one module apart."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    from aot import instruction_count, kernel_bodies
+
+    path = tmp_path / "m.ptx"
+    path.write_text("\n".join([
+        ".version 8.7", ".target sm_90", "", "// .globl loop_convert_fusion",
+        ".visible .entry loop_convert_fusion(", "\t.param .u64 loop_convert_fusion_param_0", ")", ".reqntid 128, 1, 1", "{",
+        "\t.reg .b32 %r<9>;", "\tld.param.u64 %rd1, [loop_convert_fusion_param_0];  // the argument",
+        "\tex2.approx.ftz.f32 %f2, %f1;", "\t@%p1 bra $L__BB0_2;", "$L__BB0_2:", "\tex2.approx.ftz.f32 %f3, %f2;",
+        "\tret;", "", "}", "\t// .globl input_reduce_fusion",
+        ".visible .entry input_reduce_fusion(", ")", "{", "\tmov.u32 %r1, 0;", "\tret;", "}"]))
+    bodies = kernel_bodies([str(path)])
+    assert sorted(bodies) == ["input_reduce_fusion", "loop_convert_fusion"]
+    assert instruction_count(bodies["loop_convert_fusion"]) == (5, 2)  # ld, ex2, bra, ex2, ret
+    assert instruction_count(bodies["input_reduce_fusion"]) == (2, 0)
+
+
 def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     from aot import HBM_BYTES_PER_S, NVLINK_BYTES_PER_S, traffic, traffic_lines

@@ -281,6 +281,27 @@ def test_train_head_loss_matches_float64_on_the_same_fp8_logits(impl):
     g8 = np.asarray(g8.astype(F32), np.float64)
     want8 = np.asarray(jnp.asarray(grad_u / m.LM_HEAD_GRAD_S, F32).astype(m.E5M2).astype(F32), np.float64)
     assert (g8 == want8).mean() > 0.995
+    # the target columns alone (XLA's head sets them after its pass over every logit), repeated ones included
+    is_target = np.zeros((T, V), bool)
+    for i in range(T):
+        is_target[i, targets[i:i + len(mtp)]] = True
+        if prefix[i] >= 0:
+            is_target[i, prefix[i]] = True
+    assert (g8 == want8)[is_target].mean() > 0.97
+
+
+def test_the_softcaps_sigmoid_is_rounded_to_bf16_where_the_normaliser_sums_it():
+    """_softcap_sig on the CPU: reduce_precision, whose rounding the normaliser's sum keeps (XLA:CPU
+    drops a bf16 round trip read by a reduction, COMPILER_OPTIONS or not: 3e-3 off in the log-sum-exp);
+    lowered for a GPU: the round trip, two converts (the GPU lane's head case checks its values)."""
+    u = jnp.asarray(np.random.default_rng().normal(0, 8, (32, 4096)), BF16)
+    got = jax.jit(lambda u: m._capped_lse(np.float32(m.SOFTCAP_A) * m._softcap_sig(u)),
+                  compiler_options=m.COMPILER_OPTIONS)(u)
+    sig = bf16(1 / (1 + np.exp(-(np.asarray(u, np.float64) + m.SOFTCAP_B) / m.SOFTCAP_C)))
+    want = np.log(np.exp(m.SOFTCAP_A * sig).sum(1))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-7)
+    text = jax.jit(m._softcap_sig).trace(u).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.search(r"stablehlo\.convert .*-> tensor<32x4096xbf16>", text) and "reduce_precision" not in text
 
 
 def test_the_head_passes_match_the_xla_path_tile_by_tile():

@@ -20,12 +20,16 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
             in collectives (the gradients' reduce-scatters, the new parameters' all-gathers);
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
             and registers at the record's last stage, so that a GPU session times only those, and
-            which tensor-core instructions each got (its PTX: Hopper's wgmma, or Ampere's mma.sync).
+            which tensor-core instructions each got (its PTX: Hopper's wgmma, or Ampere's mma.sync);
+  --head-ptx the training head's forward alone (--head's: the FP8 GEMM, the normaliser's and the
+            gradient's passes over the logits) at the last stage's chunk: each kernel's PTX
+            instructions and exponentials (ex2), from which a logit's: XLA's gradient pass moved 3
+            bytes a logit at 1.0 TB/s on an H200 (2026-11-27), bound by its instructions, not memory.
 
 It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in its own environment,
 
     python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest
-    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--devices N] [--sweep CONFIGS]
+    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--devices N] [--sweep CONFIGS] [--head-ptx]
 """
 import argparse
 import atexit
@@ -40,11 +44,11 @@ import sys
 import tempfile
 import time
 
-PTX_DIR = None  # with --sweep: where XLA writes the swept kernels' PTX (sweep_rows reads their MMA instructions)
+PTX_DIR = None  # with --sweep or --head-ptx: where XLA writes the kernels' PTX (sweep_rows, head_ptx_rows read it)
 if __name__ == "__main__":  # (imported, by the tests, it leaves the environment alone)
     os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only: the CUDA plugin gives a topology, never a device
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA logs ptxas's register-spill reports at INFO level
-    if any(a.startswith("--sweep") for a in sys.argv) and "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
+    if any(a.startswith(("--sweep", "--head-ptx")) for a in sys.argv) and "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
         PTX_DIR = tempfile.mkdtemp(prefix="aot_ptx_")  # read before JAX starts: XLA reads its flags once
         atexit.register(shutil.rmtree, PTX_DIR, ignore_errors=True)
         os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={PTX_DIR} "
@@ -408,7 +412,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
 
 
 def ptx_files() -> set:
-    """The PTX files XLA has written so far (none unless --sweep set PTX_DIR up)."""
+    """The PTX files XLA has written so far (none unless --sweep or --head-ptx set PTX_DIR up)."""
     return set(glob.glob(os.path.join(PTX_DIR, "*.ptx"))) if PTX_DIR else set()
 
 
@@ -417,23 +421,43 @@ SWEPT_KERNEL = {"fwd": "attention_fwd", "dq": "attention_dq", "dkv": "attention_
                 "dpre": "mlp_dpre"}
 
 
+def kernel_bodies(ptx_files: list) -> dict:
+    """Each kernel's PTX text by its entry's name: up to the module's next entry (dq and dk/dv share one)."""
+    bodies = {}
+    for path in ptx_files:
+        with open(path) as f:
+            text = f.read()
+        starts = list(re.finditer(r"\.entry (\w+)\(", text)) + [None]
+        for start, after in zip(starts, starts[1:]):
+            bodies[start.group(1)] = text[start.start():after.start() if after else len(text)]
+    return bodies
+
+
 def mma_note(kernel: str, ptx_files: list) -> str:
     """Which tensor-core instructions the kernel's PTX holds: Hopper's wgmma (warpgroup MMA, FP8 among
     its types) or Ampere's mma.sync (a third of the rate; FP8 operands on fp16 copies). '' when no PTX
     of the kernel was written (XLA_FLAGS set its own dump folder)."""
-    for path in ptx_files:
-        with open(path) as f:
-            text = f.read()
-        start = re.search(rf"\.entry {kernel}\(", text)
-        if start:  # the kernel's own body: up to the module's next entry (dq and dk/dv share a module)
-            after = re.search(r"\.entry \w+\(", text[start.end():])
-            body = text[start.start():start.end() + after.start() if after else len(text)]
-            # wgmma.mma_async.sync.aligned.mMnNkK.ACCUMULATOR.A.B: the operand types
-            types = sorted(set(re.findall(r"wgmma\.mma_async\.\S*?\.m\d+n\d+k\d+\.\w+\.(\w+)\.", body)))
-            if types:
-                return f", wgmma ({', '.join(types)})"
-            return ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma" if "mma.sync" in body else ", no MMA"
-    return ""
+    body = kernel_bodies(ptx_files).get(kernel)
+    if body is None:
+        return ""
+    # wgmma.mma_async.sync.aligned.mMnNkK.ACCUMULATOR.A.B: the operand types
+    types = sorted(set(re.findall(r"wgmma\.mma_async\.\S*?\.m\d+n\d+k\d+\.\w+\.(\w+)\.", body)))
+    if types:
+        return f", wgmma ({', '.join(types)})"
+    return ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma" if "mma.sync" in body else ", no MMA"
+
+
+def instruction_count(body: str) -> tuple:
+    """(instructions, ex2 among them) in a kernel's PTX (kernel_bodies'): its lines but directives, labels,
+    braces and comments, a predicated one (@%p1 bra ...) counted as its instruction; static, so a loop's
+    body counts once."""
+    ops = []
+    for line in body.split("\n")[1:]:  # after the .entry line
+        words = line.split("//")[0].split()
+        words = words[1:] if words and words[0].startswith("@") else words
+        if words and not words[0].startswith((".", "{", "}", "(", ")", "$")) and not words[0].endswith(":"):
+            ops.append(words[0])
+    return len(ops), sum(op.startswith("ex2.") for op in ops)
 
 
 def sweep_rows(mesh, configs: list) -> list:
@@ -482,6 +506,33 @@ def sweep_rows(mesh, configs: list) -> list:
     return rows
 
 
+def head_ptx_rows(mesh, impl: str) -> list:
+    """The training head's forward (train_gpt._train_head_fwd with impl: the FP8 GEMM and the passes over
+    its logits) compiled alone at the record's last-stage chunk (its rows, its targets a row): a row per
+    kernel with its PTX instructions and its exponentials (ex2). A logit takes two ex2 in XLA's passes and
+    in head_softcap (the softcap's sigmoid, the softmax's exp), one in head_grad (it reads the sigmoids),
+    so instructions per ex2 times that is a logit's; a reduction's loop body counts once, with the code
+    before and after it (a bound from above)."""
+    hp = tg.PRESETS["record"]
+    T, mtp_terms = tg.stage_shape(tg.program_steps(hp)[-1], hp)
+    D, V = tg.param_shapes(hp)["lm_head.weight"][0]  # the padded vocabulary
+    P_ = mtp_terms + 1  # the MTP targets and the prefix target
+    rep = NamedSharding(mesh, P())
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for shape, dtype in
+            (((T, D), tg.BF16), ((D, V), tg.BF16), ((T, P_), jnp.int32), ((T, P_), tg.F32), ((T,), tg.F32))]
+    head = jax.shard_map(lambda *a: tg._train_head_fwd(*a, impl)[:2], mesh=mesh, in_specs=(P(),) * len(args),
+                         out_specs=(P(), P()), check_vma=False)  # the Pallas kernels lower inside a mesh
+    before = ptx_files()
+    jax.jit(head, compiler_options=tg.COMPILER_OPTIONS).lower(*args).compile()
+    rows = [f"--head-ptx: the training head's forward alone (--head {impl}), {T} rows x {V} logits, {P_} targets a row"]
+    for kernel, body in sorted(kernel_bodies(sorted(ptx_files() - before)).items()):
+        count, ex2 = instruction_count(body)
+        rows.append(f"    {kernel:32s} {count:5d} PTX instructions" + (
+            f", {ex2:3d} ex2: {count / ex2:5.1f} per ex2" if ex2 else ""))
+    print("\n".join(rows), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="xla,pallas", help="comma-separated implementations (default both)")
@@ -492,8 +543,11 @@ def main(argv=None) -> int:
                              "leaves for XLA's passes until a GPU has run their fix: AUTO_ON_GPU)")
     parser.add_argument("--programs", default="all", choices=("all", "last", "none"),
                         help="all: each stage shape's train program and validation; last: the last stage's train "
-                             "program; none: only --sweep")
+                             "program; none: only --sweep or --head-ptx")
     parser.add_argument("--sweep", metavar="CONFIGS", help="KERNEL:TILE/WARPS/STAGES items as bench.py --sweep takes")
+    parser.add_argument("--head-ptx", action="store_true",
+                        help="the training head's forward alone (--head's) at the last stage's chunk: each kernel's PTX "
+                             "instructions and exponentials (ex2)")
     parser.add_argument("--hlo-dir", metavar="DIR", help="write each train program's compiled HLO text there")
     parser.add_argument("--devices", type=int, default=1, choices=(1, 2, 4, 8),
                         help="compile for this many H100s of one machine, as train_gpt.py runs on them (default 1; 8: "
@@ -518,6 +572,7 @@ def main(argv=None) -> int:
     rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(
         mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head)]
     rows += sweep_rows(mesh, configs)
+    rows += head_ptx_rows(mesh, args.head) if args.head_ptx else []
     return 1 if any("PROBLEMS" in r or "fewer than" in r or "FAILS" in r for r in rows) else 0
 
 
