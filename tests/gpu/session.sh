@@ -24,9 +24,10 @@
 #                          # head case the one that faulted (over 175 s on an H200 on 2026-11-27, its train case
 #                          # past its case limit while compiling; 85 s before), each case's numbers kept
 #   OUT=$OUT/x BUDGET_S=130 tests/gpu/session.sh short-pallas
-#                          # call 3 if budget_left_s - 40 holds it (an H100: 160): today's default, XLA's head,
-#                          # against call 1's Pallas head in the same session (all three calls run matmul's bf16
-#                          # GEMM outputs and the head GEMM's bf16 logits for the first time: tests/gpu/README.md)
+#                          # call 3 if budget_left_s - 40 holds it (an H100: 160): today's default, XLA's head
+#                          # (its passes with fewer instructions since 2026-11-28), against call 1's Pallas head
+#                          # in the same session (all three calls run matmul's bf16 GEMM outputs and the head
+#                          # GEMM's bf16 logits for the first time: tests/gpu/README.md)
 #   SWEEP=up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3 OUT=$OUT/s BUDGET_S=120 \
 #       tests/gpu/session.sh sweep
 #                          # call 4 if budget_left_s - 40 holds it: mlp_up's tile (the reference's, the old one)
