@@ -731,11 +731,12 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
 def _bf16_rounded(x):
     """fp32 x rounded to bf16's precision (to nearest, ties to even), kept fp32: where the reference stores
     a value in bf16 and reads it back. On the bits, because XLA's GPU compiler drops a bf16 round trip
-    inside a fused computation (excess precision: an H100 program computed the e4m3 copy of post from
-    fp32 relu(pre)², and dpre from sqrt(relu(pre)²) instead of sqrt(post)) and Pallas's Triton lowering
-    has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry could make one -0). No
-    derivative (bit operations): only in forwards a custom_vjp or a kernel owns (autodiff through it
-    zeroes the gradient: 2026-11-27, at the DC correction's output, tried and reverted)."""
+    inside a fused computation unless COMPILER_OPTIONS (excess precision: an H100 program computed the
+    e4m3 copy of post from fp32 relu(pre)², and dpre from sqrt(relu(pre)²) instead of sqrt(post)) and
+    Pallas's Triton lowering has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry
+    could make one -0). No derivative (bit operations): only in forwards a custom_vjp or a kernel owns
+    (autodiff through it zeroes the gradient: 2026-11-27, at the DC correction's output, tried and
+    reverted)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
     return jnp.where(x == x, jax.lax.bitcast_convert_type(bits, F32), x)
@@ -1056,12 +1057,12 @@ def _softcap_sigmoid(u, exp=None):
 
 
 def _softcap_sig(u):
-    """sigmoid((u + B)/C) in fp32, rounded to bf16 as the reference's kernel stores it. On a GPU a bf16 round
-    trip, two hardware converts that COMPILER_OPTIONS keep (reduce_precision's bit arithmetic cost the head's
-    passes 5 more PTX instructions a logit); elsewhere reduce_precision: XLA:CPU drops the round trip where
-    the normaliser's sum reads it, with the options too."""
-    return jax.lax.platform_dependent(_softcap_sigmoid(u), cuda=lambda s: s.astype(BF16).astype(F32),
-                                      default=lambda s: jax.lax.reduce_precision(s, 8, 7))
+    """sigmoid((u + B)/C) in fp32, rounded to bf16 as the reference's kernel stores it: converted to bf16, its
+    bits widened back to fp32, which no compiler drops (XLA drops a bf16 round trip whose readers convert it
+    back, unless COMPILER_OPTIONS, and XLA:CPU one that a reduction reads, options or not); on a GPU the
+    hardware's convert, where reduce_precision's bit arithmetic took 4 more PTX instructions a logit."""
+    bf16_bits = jax.lax.bitcast_convert_type(_softcap_sigmoid(u).astype(BF16), jnp.uint16)
+    return jax.lax.bitcast_convert_type(bf16_bits.astype(jnp.uint32) << 16, F32)
 
 
 def _capped_lse(z):
@@ -1103,7 +1104,7 @@ def _train_head_fwd(x_TxD, w_DxV, cols_TxP, ws_TxP, total_T, impl="xla"):
         sig_t = _softcap_sig(jnp.take_along_axis(u_grad, cols_TxP, axis=1))
         # the gradient pass as if no column were a target, then the few target columns of each row set
         # anew (in place): the pass compares no column with the targets (its PTX for sm_90 at the last stage,
-        # with _softcap_sig's converts: 72 -> 55 instructions a logit, tests/gpu/aot.py --head-ptx), and every
+        # with _softcap_sig's convert: 72 -> 56 instructions a logit, tests/gpu/aot.py --head-ptx), and every
         # logit's value is the same formula's.
         # A column that is several targets gets the same value from each, whichever is written last.
         cols = [cols_TxP[:, k:k + 1] for k in range(cols_TxP.shape[1])]

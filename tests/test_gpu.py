@@ -1252,7 +1252,7 @@ def test_the_sweep_names_the_tensor_core_instructions_of_each_kernel(tmp_path):
 
 def test_head_ptx_counts_each_kernels_instructions_and_exponentials(tmp_path):
     """tests/gpu/aot.py --head-ptx: a kernel's PTX instructions, a predicated one once, neither directives,
-    labels, braces nor comments; its ex2 among them; two kernels of one module apart."""
+    labels, braces nor comments; its ex2 among them; two kernels and a device function of one module apart."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     from aot import instruction_count, kernel_bodies
 
@@ -1262,10 +1262,11 @@ def test_head_ptx_counts_each_kernels_instructions_and_exponentials(tmp_path):
         ".visible .entry loop_convert_fusion(", "\t.param .u64 loop_convert_fusion_param_0", ")", ".reqntid 128, 1, 1", "{",
         "\t.reg .b32 %r<9>;", "\tld.param.u64 %rd1, [loop_convert_fusion_param_0];  // the argument",
         "\tex2.approx.ftz.f32 %f2, %f1;", "\t@%p1 bra $L__BB0_2;", "$L__BB0_2:", "\tex2.approx.ftz.f32 %f3, %f2;",
-        "\tret;", "", "}", "\t// .globl input_reduce_fusion",
+        "\tret;", "", "}", ".func  (.param .b32 func_retval0) helper(", ")", "{", "\tmov.u32 %r1, 1;", "\tret;", "}",
+        "\t// .globl input_reduce_fusion",
         ".visible .entry input_reduce_fusion(", ")", "{", "\tmov.u32 %r1, 0;", "\tret;", "}"]))
     bodies = kernel_bodies([str(path)])
-    assert sorted(bodies) == ["input_reduce_fusion", "loop_convert_fusion"]
+    assert sorted(bodies) == ["input_reduce_fusion", "loop_convert_fusion"]  # the device function apart
     assert instruction_count(bodies["loop_convert_fusion"]) == (5, 2)  # ld, ex2, bra, ex2, ret
     assert instruction_count(bodies["input_reduce_fusion"]) == (2, 0)
 

@@ -422,14 +422,16 @@ SWEPT_KERNEL = {"fwd": "attention_fwd", "dq": "attention_dq", "dkv": "attention_
 
 
 def kernel_bodies(ptx_files: list) -> dict:
-    """Each kernel's PTX text by its entry's name: up to the module's next entry (dq and dk/dv share one)."""
+    """Each kernel's PTX text by its entry's name, up to the module's next entry or device function (dq and
+    dk/dv share a module); a name in several files: the first file's."""
     bodies = {}
     for path in ptx_files:
         with open(path) as f:
             text = f.read()
-        starts = list(re.finditer(r"\.entry (\w+)\(", text)) + [None]
+        starts = list(re.finditer(r"\.(entry|func)\s+(?:\([^)]*\)\s*)?(\w+)\(", text)) + [None]
         for start, after in zip(starts, starts[1:]):
-            bodies[start.group(1)] = text[start.start():after.start() if after else len(text)]
+            if start.group(1) == "entry":
+                bodies.setdefault(start.group(2), text[start.start():after.start() if after else len(text)])
     return bodies
 
 
@@ -450,7 +452,8 @@ def mma_note(kernel: str, ptx_files: list) -> str:
 def instruction_count(body: str) -> tuple:
     """(instructions, ex2 among them) in a kernel's PTX (kernel_bodies'): its lines but directives, labels,
     braces and comments, a predicated one (@%p1 bra ...) counted as its instruction; static, so a loop's
-    body counts once."""
+    body counts once. For XLA's fused kernels, which call nothing: a call's continued lines would count
+    as instructions, and Triton's inline assembly in braces not at all."""
     ops = []
     for line in body.split("\n")[1:]:  # after the .entry line
         words = line.split("//")[0].split()
