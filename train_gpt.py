@@ -3028,6 +3028,9 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             save_weights(final_weights(state, hp), save_path)
             say(f"weights saved: {os.path.abspath(save_path)}")
         say("run complete")
+        synthetic = any(os.path.basename(f).startswith("synthetic_") for f in inputs.train_files)
+        console(f"the record log: {log.path if log else '-'} (`python records/logs.py LOG` prints its table)"
+                + ("; trained on synthetic shards: the losses say nothing about FineWeb" if synthetic else ""))
     except Interrupted as e:
         if log:
             say(f"interrupted at step {getattr(e, 'step', hp.total_steps if trained else 0)} ({e})")

@@ -31,6 +31,10 @@ def test_a_tiny_run_writes_a_log_that_parses_back(tiny_attempt):
     assert log.val_curve[-1][1] < log.val_curve[0][1] - 0.3  # the synthetic text is learnable
     assert log.summary["final_val_loss"] == pytest.approx(log.val_curve[-1][1], abs=1e-4)
     assert f"step:{TINY_STEPS}/{TINY_STEPS} val_loss:{log.val_curve[-1][1]:.4f}" in tiny_attempt.proc.stdout
+    # the console's last word on the run: where its log is, and that synthetic shards' losses mean nothing
+    ending = tiny_attempt.proc.stdout.split("\nrun complete\n")[1].splitlines()[0]
+    assert ending.startswith(f"the record log: {tiny_attempt.logs[0]} ")
+    assert ending.endswith("trained on synthetic shards: the losses say nothing about FineWeb")
     text = open(tiny_attempt.logs[0]).read()
     assert "stages at [0, 2, 4, 6], batch [1024, 1024, 1024, 1024] tokens as 8 chunks" in text
     assert "compile: " in text and "for 1 train program and the validation step" in text  # --stage-mtp-terms 1,1,1,1
