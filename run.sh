@@ -83,6 +83,7 @@ pip_once() {  # pip install ARGS, unless this environment already got exactly th
     key=$( (python -V 2>&1; printf '%s\n' "$@"; for arg in "$@"; do if [ -f "$arg" ]; then cat "$arg"; fi; done) |
           sha256sum | cut -c1-16)
     if [ ! -e "$VIRTUAL_ENV/.run_sh_pip_$key" ]; then
+        echo "run.sh: pip install $* into $VIRTUAL_ENV (again only when those files change; a minute or so the first time)" >&2
         python -m pip install -q --disable-pip-version-check "$@"
         touch "$VIRTUAL_ENV/.run_sh_pip_$key"
     fi
