@@ -368,7 +368,8 @@ def main(argv=None) -> int:
               f"{run.train_time_ms or 0:.0f} ms over {run.timed_steps} timed steps, step_avg {run.step_avg_ms:.2f} ms"
               + (f", compile {run.compile_s:.1f} s" if run.compile_s is not None else ""))
         for row in run.stage_step_ms():
-            pace = (f"{row['ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s over step{'s' * (len(row['steps']) > 1)} {_ranges(row['steps'])}"
+            steps = ("steps " if len(row["steps"]) > 1 else "step ") + _ranges(row["steps"])
+            pace = (f"{row['ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s over {steps}"
                     if row["ms"] else "n/a (no step of its pace)")
             print(f"  stage {row['stage']} ({row['batch']:,} tokens a step): {pace}")
     return 2 if bad else 0
