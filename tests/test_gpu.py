@@ -1143,11 +1143,11 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
 
     per_trip = (256 + 4 + 256) + (0 + 256 + 4 + 256)  # read: slice, index, row; write: in place, row, index, update
     rows, unknown = traffic(TRAFFIC_HLO)
-    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8, 0],  # (nothing sent to other devices)
-                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1, 0]}
+    assert rows == {"read_row:5 < step:20": [4 * per_trip, 0, 8, 0, 0],  # (nothing sent to other devices)
+                    "matmul:10 < step:20": [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4, 2 * 32 * 16 * 64, 1, 0, 0]}
     assert unknown == []
     rows, unknown = traffic(TRAFFIC_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
-    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0] and unknown == ["loop"]  # counted once, and said
+    assert rows["read_row:5 < step:20"] == [per_trip, 0, 2, 0, 0] and unknown == ["loop"]  # counted once, and said
     # cuBLAS's GEMMs count 2·M·N·K from their result and their dimension numbers (the first call's, the
     # only one that has them: x8 (64 x 32) times w8 (96 x 32) summed over 32), and so do train_gpt's
     # Pallas GEMM kernels, from their first two operands: here in place of that call
@@ -1158,13 +1158,13 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     # a scatter into its fusion's operand updates that buffer in place: the rows it adds are read and
     # written (and the indices and updates read), not the table; into zeros of its own, the table is written
     rows, _ = traffic(SCATTER_HLO)
-    assert rows == {"rows:7": [32 + 2048 + 2 * 2048, 0, 1, 0], "zeros:8": [32 + 2048 + 1000 * 64 * 4, 0, 1, 0]}
+    assert rows == {"rows:7": [32 + 2048 + 2 * 2048, 0, 1, 0, 0], "zeros:8": [32 + 2048 + 1000 * 64 * 4, 0, 1, 0, 0]}
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 2 * 64 * 96 * 32
     # every operand counts, the sixth (after XLA's comment) too: five f32[4] and a bf16[4] read, f32[4] written
-    assert traffic(SIX_OPERANDS_HLO)[0] == {"?": [5 * 16 + 8 + 16, 0, 1, 0]}
+    assert traffic(SIX_OPERANDS_HLO)[0] == {"?": [5 * 16 + 8 + 16, 0, 1, 0, 0]}
     # slices read through a bitcast and a convert: their elements in the operand's type (two of qkv's
     # three 4 x 4 bf16 parts), not the whole operand; read whole when a use does not slice it
-    assert traffic(QK_HLO)[0] == {"?": [2 * 16 * 2 + 4 * 8 * 4, 0, 1, 0]}
+    assert traffic(QK_HLO)[0] == {"?": [2 * 16 * 2 + 4 * 8 * 4, 0, 1, 0, 0]}
     whole = QK_HLO.replace("  ROOT %r = f32[4,8]{1,0} concatenate(%qr, %kr), dimensions={1}",
                            "  %r = f32[4,8]{1,0} concatenate(%qr, %kr), dimensions={1}\n"
                            "  %all = f32[4,12]{1,0} convert(%p0)\n"
@@ -1271,6 +1271,35 @@ def test_head_ptx_counts_each_kernels_instructions_and_exponentials(tmp_path):
     assert instruction_count(bodies["input_reduce_fusion"]) == (2, 0)
 
 
+def test_traffic_estimate_takes_a_kernels_instructions_for_its_floor_where_they_outlast_its_bytes(tmp_path):
+    """XLA's kernels' PTX instructions x their launch's threads (the thunk sequence's blocks x threads), times
+    the loop's trips, at the H100's issue rate: a line's floor where longer than its bytes' ("issue-bound")."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    from aot import HBM_BYTES_PER_S, ISSUES_PER_S, thread_instructions, traffic, traffic_lines
+
+    ptx = tmp_path / "m.ptx"
+    ptx.write_text("\n".join([".visible .entry r(", ")", "{", *["\tadd.f32 %f1, %f1, %f1;"] * 9, "\tret;", "}",
+                               ".visible .entry u(", ")", "{", "\tret;", "}", ".visible .entry d(", ")", "{", "\tret;", "}"]))
+    sequence = tmp_path / "m.thunk_sequence.txt"
+    sequence.write_text("000: kWhile [source | next=002 (1)]\n"
+                        "    001: kCustomKernel   [prev=000 (1)   | sink          ] r grid: [1000, 2, 1] threads: [128, 1, 1]"
+                        "  shared_memory: 0 bytes\n"
+                        "002: kCustomKernel [prev=000 (1) | sink] u grid: [4, 1, 1] threads: [64, 1, 1]  shared_memory: 0 bytes\n"
+                        "003: kCublasLtMatmul [source | sink] cublas-gemm.1\n")
+    launches = thread_instructions([str(ptx)], [str(sequence)])
+    assert launches == {"r": 10 * 2000 * 128, "u": 1 * 4 * 64}  # d: no launch in the sequence
+    rows, _ = traffic(TRAFFIC_HLO, instructions=launches)
+    assert rows["read_row:5 < step:20"][4] == 4 * (10 * 2000 * 128 + 4 * 64)  # both kernels, 4 trips
+    assert rows["matmul:10 < step:20"][4] == 0  # no PTX of it
+    lines = traffic_lines(TRAFFIC_HLO, 5, 1, launches)
+    row = rows["read_row:5 < step:20"]
+    assert row[4] / ISSUES_PER_S > row[0] / HBM_BYTES_PER_S
+    assert lines[1].startswith(f"    {row[4] / ISSUES_PER_S * 1e3:7.1f} ms") and lines[1].endswith("issue-bound  read_row:5 < step:20")
+    assert "without the instructions' floor" in lines[0] and "issue-bound" not in lines[2]
+    assert "issue-bound" not in "".join(traffic_lines(TRAFFIC_HLO, 5, 1)) and "instructions' floor" not in \
+        traffic_lines(TRAFFIC_HLO, 5, 1)[0]
+
+
 def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
     from aot import HBM_BYTES_PER_S, NVLINK_BYTES_PER_S, traffic, traffic_lines
@@ -1280,9 +1309,9 @@ def test_traffic_estimate_counts_the_bytes_collectives_send_apart_from_memory():
     # each start sends its part (all-reduce 2·7/8 of the operand, reduce-scatter to 8 shares 7/8 of it,
     # the all-gather in pairs its one share, in a conditional's branch); the dones are free; the update moves
     # three arrays in HBM, the other branch's stacking reads the share twice and writes it twice
-    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size], "scatter:40": [0, 0, 1, 7 / 8 * size],
-                    "gather:50": [0, 0, 1, share], "step:20": [3 * size, 0, 1, 0],
-                    "pad:60": [4 * share, 0, 1, 0]} and unknown == []
+    assert rows == {"psum:30": [0, 0, 1, 2 * 7 / 8 * size, 0], "scatter:40": [0, 0, 1, 7 / 8 * size, 0],
+                    "gather:50": [0, 0, 1, share, 0], "step:20": [3 * size, 0, 1, 0, 0],
+                    "pad:60": [4 * share, 0, 1, 0, 0]} and unknown == []
     # an even step's: no branch of the conditional
     assert traffic(COLLECTIVES_HLO, devices=8, branches=False)[0] == {
         k: v for k, v in rows.items() if k not in ("gather:50", "pad:60")}

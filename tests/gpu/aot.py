@@ -13,8 +13,8 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
             but the GEMM's bf16 logits and the gradient, with --head pallas also its sigmoids;
             validation's, none but the GEMM's),
             the kernels ptxas says spill registers, and
-            (--traffic N) a static estimate of a step's memory traffic and GEMM FLOPs with its N
-            costliest source lines: it ranks costs, it is no timing;
+            (--traffic N) a static estimate of a step's memory traffic, GEMM FLOPs and XLA's kernels'
+            instructions with its N costliest source lines: it ranks costs, it is no timing;
   --devices the same for the programs of 2, 4 or 8 H100s of one machine (8: the record's, one chunk
             per device): one device's memory and estimate, with the bytes it sends to the others
             in collectives (the gradients' reduce-scatters, the new parameters' all-gathers);
@@ -44,15 +44,15 @@ import sys
 import tempfile
 import time
 
-PTX_DIR = None  # with --sweep or --head-ptx: where XLA writes the kernels' PTX (sweep_rows, head_ptx_rows read it)
+PTX_DIR = None  # where XLA writes each compiled module's PTX and thunk sequence (the kernels' launches)
 if __name__ == "__main__":  # (imported, by the tests, it leaves the environment alone)
     os.environ["JAX_PLATFORMS"] = "cpu"  # compile-only: the CUDA plugin gives a topology, never a device
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA logs ptxas's register-spill reports at INFO level
-    if any(a.startswith(("--sweep", "--head-ptx")) for a in sys.argv) and "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):
+    if "xla_dump_to" not in os.environ.get("XLA_FLAGS", ""):  # (XLA_FLAGS naming a dump folder: none read)
         PTX_DIR = tempfile.mkdtemp(prefix="aot_ptx_")  # read before JAX starts: XLA reads its flags once
         atexit.register(shutil.rmtree, PTX_DIR, ignore_errors=True)
         os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={PTX_DIR} "
-                                   "--xla_dump_emitter_re=ptx --xla_dump_hlo_module_re=jit__lambda").strip()
+                                   "--xla_dump_emitter_re=ptx").strip()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
@@ -194,6 +194,10 @@ HBM_BYTES_PER_S, GEMM_FLOPS_PER_S = 3.0e12, 700e12
 # NVLink between 8 H100 SXMs: an assumed rate, never measured here (no session has had more than one GPU);
 # NCCL's all_reduce_perf reports a bus bandwidth of about this for large messages on such machines
 NVLINK_BYTES_PER_S = 450e9
+# an H100 SXM issues 4 warp instructions a cycle per SM: 132 SMs x 4 x 32 threads at 1.98 GHz, in thread
+# instructions a second, the floor of a kernel bound by its instructions (PTX's, which ptxas may expand):
+# XLA's head gradient pass moved 1.0 TB/s on an H200 (2026-11-27), its bytes' floor a fifth of its time
+ISSUES_PER_S = 132 * 4 * 32 * 1.98e9
 FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id")
 # what each of a group's n devices sends, as a part of the collective's operand (all-gather's: the local
 # share): a ring's for the all-reduce (NVLink SHARP may send less), reduce-scatter and all-gather
@@ -219,10 +223,11 @@ def type_bytes(type_: str) -> int:
                for t, shape in re.findall(r"(\w+)\[([\d,]*)\]", type_))
 
 
-def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
-    """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices]}, loops without a
-    known trip count) of one run of the module's entry computation on one of `devices` devices; every
-    conditional's branches counted, or (branches=False) none of them."""
+def traffic(text: str, devices: int = 1, branches: bool = True, instructions: dict = None) -> tuple:
+    """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices, thread instructions]},
+    loops without a known trip count) of one run of the module's entry computation on one of `devices`
+    devices; every conditional's branches counted, or (branches=False) none of them. instructions:
+    {kernel (HLO name, '.' and '-' as '_'): thread instructions of a launch} (thread_instructions')."""
     module, where = parse_hlo(text), source_of(text)
     rows, unknown = {}, []
     typ = lambda comp, name: module.get(comp, name).type if module.get(comp, name) else ""  # noqa: E731
@@ -321,11 +326,12 @@ def traffic(text: str, devices: int = 1, branches: bool = True) -> tuple:
                     lhs = dims(typ(comp, ins.operands[0]))  # cuBLAS's: 2 · result elements · lhs dims summed
                     K = np.prod([lhs[int(d)] for d in summed[1].replace('"', "").split(",") if d])
                     flops = 2 * int(np.prod(dims(ins.type))) * int(K)
-            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0])
+            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0, 0])
             row[0] += moved * times
             row[1] += flops * times
             row[2] += times
             row[3] += sent * times
+            row[4] += (instructions or {}).get(re.sub(r"[.\-]", "_", ins.name), 0) * times
 
     entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
     walk(entry, 1)
@@ -338,11 +344,15 @@ def kernel_sources(text: str) -> dict:
     return {ins.name.replace(".", "_"): where(ins.attrs) for comp in module.computations.values() for ins in comp.values()}
 
 
-def traffic_lines(text: str, top: int, devices: int = 1) -> list:
+def traffic_lines(text: str, top: int, devices: int = 1, instructions: dict = None) -> list:
     """The estimate's line and its `top` costliest source lines; with collectives, also a step that runs
-    no conditional's branch: a train step's even step, when Adam neither steps nor exchanges."""
-    rows, unknown = traffic(text, devices)
-    seconds = lambda r: max(r[0] / HBM_BYTES_PER_S, r[1] / GEMM_FLOPS_PER_S, r[3] / NVLINK_BYTES_PER_S)  # noqa: E731
+    no conditional's branch: a train step's even step, when Adam neither steps nor exchanges. With
+    instructions (thread_instructions'), a line's floor is also its kernels' instructions at the H100's
+    issue rate, where that is longer than its bytes' and FLOPs' ("issue-bound")."""
+    rows, unknown = traffic(text, devices, instructions=instructions)
+    issuing = lambda r: r[4] / ISSUES_PER_S  # noqa: E731
+    moving = lambda r: max(r[0] / HBM_BYTES_PER_S, r[1] / GEMM_FLOPS_PER_S, r[3] / NVLINK_BYTES_PER_S)  # noqa: E731
+    seconds = lambda r: max(moving(r), issuing(r))  # noqa: E731
     floors = lambda rows: sum(map(seconds, rows.values())) * 1e3  # noqa: E731
     moved, flops, sent = (sum(r[i] for r in rows.values()) for i in (0, 1, 3))
     lines = [f"    estimate: {moved / 1e9:.0f} GB moved ({moved / HBM_BYTES_PER_S * 1e3:.0f} ms at "
@@ -351,6 +361,7 @@ def traffic_lines(text: str, top: int, devices: int = 1) -> list:
              + (f"{sent / 1e9:.2f} GB sent to the other devices ({sent / NVLINK_BYTES_PER_S * 1e3:.1f} ms at an assumed "
                 f"{NVLINK_BYTES_PER_S / 1e9:.0f} GB/s of NVLink), " if sent else "")
              + f"sum of per-kernel floors {floors(rows):.0f} ms"
+             + (f" ({sum(map(moving, rows.values())) * 1e3:.0f} without the instructions' floor)" if instructions else "")
              + (f"; {len(unknown)} loops counted once" if unknown else "")]
     if sent:
         even = traffic(text, devices, branches=False)[0]
@@ -359,7 +370,8 @@ def traffic_lines(text: str, top: int, devices: int = 1) -> list:
                      f"{floors(even):.0f} ms")
     for source, r in sorted(rows.items(), key=lambda kv: -seconds(kv[1]))[:top]:
         lines.append(f"    {seconds(r) * 1e3:7.1f} ms {r[0] / 1e9:8.1f} GB {r[1] / 1e12:6.1f} TFLOP {r[2]:6d} kernels  "
-                     + (f"{r[3] / 1e9:.2f} GB sent  " if r[3] else "") + source)
+                     + (f"{r[3] / 1e9:.2f} GB sent  " if r[3] else "")
+                     + ("issue-bound  " if issuing(r) > moving(r) else "") + source)
     return lines
 
 
@@ -369,10 +381,12 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
     gemm_kernels = gemm_kernels_named(hp)
     rows = []
     for name, lowered, chunk, is_train in record_programs(hp, mesh, which):
-        t0, notes = time.perf_counter(), []
+        t0, notes, before = time.perf_counter(), [], (ptx_files(), ptx_files("*thunk_sequence.txt"))
         with ptxas_notes(notes):
             compiled = lowered.compile()
         seconds = time.perf_counter() - t0
+        instructions = thread_instructions(sorted(ptx_files() - before[0]),
+                                           sorted(ptx_files("*thunk_sequence.txt") - before[1])) or None
         memory, text = compiled.memory_analysis(), compiled.as_text()
         # donated arguments come back as outputs in the same buffers (alias): count them once
         total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -397,7 +411,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
             lines[0] += (f"  FP8: {len(sites)} head GEMMs " + ("ok" if not problems else f"PROBLEMS: {'; '.join(problems)}")
                          + f", {len(gemms)} MLP GEMMs" + ("" if len(gemms) >= 2 * tg.NUM_LAYERS else " (fewer than 22)")
                          + f"; {logits_note}")
-            lines += traffic_lines(text, top, mesh.size) if top else []
+            lines += traffic_lines(text, top, mesh.size, instructions) if top else []
         else:
             lines[0] += f"  {logits_note}"
         kernels = kernel_sources(text)
@@ -411,9 +425,22 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
     return rows
 
 
-def ptx_files() -> set:
-    """The PTX files XLA has written so far (none unless --sweep or --head-ptx set PTX_DIR up)."""
-    return set(glob.glob(os.path.join(PTX_DIR, "*.ptx"))) if PTX_DIR else set()
+def ptx_files(pattern: str = "*.ptx") -> set:
+    """The files matching pattern that XLA has dumped so far (none where XLA_FLAGS named a dump folder)."""
+    return set(glob.glob(os.path.join(PTX_DIR, pattern))) if PTX_DIR else set()
+
+
+def thread_instructions(ptx_paths: list, sequence_paths: list) -> dict:
+    """{kernel: PTX instructions x threads of one launch}, of the kernels whose PTX and launch (blocks x
+    threads, in XLA's thunk sequence) were dumped: XLA's fused kernels (cuBLAS's have no PTX here, Pallas's
+    go by their kernel's name); a loop's body counted once (instruction_count), so a reduction's is low."""
+    threads = {}
+    for path in sequence_paths:
+        with open(path) as f:
+            for m in re.finditer(r"\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]", f.read()):
+                threads[m[1]] = math.prod(int(v) for v in m.groups()[1:])
+    bodies = kernel_bodies(ptx_paths)
+    return {kernel: instruction_count(bodies[kernel])[0] * n for kernel, n in threads.items() if kernel in bodies}
 
 
 # the Pallas kernel a sweep item tunes, by the name its PTX entry has
@@ -556,8 +583,8 @@ def main(argv=None) -> int:
                         help="compile for this many H100s of one machine, as train_gpt.py runs on them (default 1; 8: "
                              "the record's machine, one chunk per device; memory and the estimate are one device's)")
     parser.add_argument("--traffic", type=int, default=15, metavar="N",
-                        help="per train program: a static estimate of a step's memory traffic and GEMM FLOPs, and its "
-                             "N costliest source lines (default 15; 0: none)")
+                        help="per train program: a static estimate of a step's memory traffic, GEMM FLOPs and kernels' "
+                             "instructions, and its N costliest source lines (default 15; 0: none)")
     args = parser.parse_args(argv)
     impls = args.attention.split(",")
     try:
