@@ -227,7 +227,7 @@ def traffic(text: str, devices: int = 1, branches: bool = True, instructions: di
     """({source: [bytes, GEMM flops, kernel launches, bytes sent to other devices, thread instructions]},
     loops without a known trip count) of one run of the module's entry computation on one of `devices`
     devices; every conditional's branches counted, or (branches=False) none of them. instructions:
-    {kernel (HLO name, '.' and '-' as '_'): thread instructions of a launch} (thread_instructions')."""
+    {kernel_name: thread instructions of a launch} (thread_instructions')."""
     module, where = parse_hlo(text), source_of(text)
     rows, unknown = {}, []
     typ = lambda comp, name: module.get(comp, name).type if module.get(comp, name) else ""  # noqa: E731
@@ -331,17 +331,22 @@ def traffic(text: str, devices: int = 1, branches: bool = True, instructions: di
             row[1] += flops * times
             row[2] += times
             row[3] += sent * times
-            row[4] += (instructions or {}).get(re.sub(r"[.\-]", "_", ins.name), 0) * times
+            row[4] += (instructions or {}).get(kernel_name(ins.name), 0) * times
 
     entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
     walk(entry, 1)
     return rows, unknown
 
 
+def kernel_name(instruction: str) -> str:
+    """An HLO instruction's kernel as PTX, ptxas and the thunk sequence name it: '.' and '-' as '_'."""
+    return re.sub(r"[.\-]", "_", instruction)
+
+
 def kernel_sources(text: str) -> dict:
-    """Kernel name as ptxas prints it (the HLO instruction's, '.' as '_') -> its source line."""
+    """Kernel name (kernel_name) -> its source line."""
     module, where = parse_hlo(text), source_of(text)
-    return {ins.name.replace(".", "_"): where(ins.attrs) for comp in module.computations.values() for ins in comp.values()}
+    return {kernel_name(ins.name): where(ins.attrs) for comp in module.computations.values() for ins in comp.values()}
 
 
 def traffic_lines(text: str, top: int, devices: int = 1, instructions: dict = None) -> list:
@@ -381,12 +386,12 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
     gemm_kernels = gemm_kernels_named(hp)
     rows = []
     for name, lowered, chunk, is_train in record_programs(hp, mesh, which):
-        t0, notes, before = time.perf_counter(), [], (ptx_files(), ptx_files("*thunk_sequence.txt"))
+        t0, notes, before = time.perf_counter(), [], (dumped(), dumped("*thunk_sequence.txt"))
         with ptxas_notes(notes):
             compiled = lowered.compile()
         seconds = time.perf_counter() - t0
-        instructions = thread_instructions(sorted(ptx_files() - before[0]),
-                                           sorted(ptx_files("*thunk_sequence.txt") - before[1])) or None
+        instructions = thread_instructions(sorted(dumped() - before[0]),
+                                           sorted(dumped("*thunk_sequence.txt") - before[1])) or None
         memory, text = compiled.memory_analysis(), compiled.as_text()
         # donated arguments come back as outputs in the same buffers (alias): count them once
         total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -425,7 +430,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
     return rows
 
 
-def ptx_files(pattern: str = "*.ptx") -> set:
+def dumped(pattern: str = "*.ptx") -> set:
     """The files matching pattern that XLA has dumped so far (none where XLA_FLAGS named a dump folder)."""
     return set(glob.glob(os.path.join(PTX_DIR, pattern))) if PTX_DIR else set()
 
@@ -448,11 +453,11 @@ SWEPT_KERNEL = {"fwd": "attention_fwd", "dq": "attention_dq", "dkv": "attention_
                 "dpre": "mlp_dpre"}
 
 
-def kernel_bodies(ptx_files: list) -> dict:
+def kernel_bodies(paths: list) -> dict:
     """Each kernel's PTX text by its entry's name, up to the module's next entry or device function (dq and
     dk/dv share a module); a name in several files: the first file's."""
     bodies = {}
-    for path in ptx_files:
+    for path in paths:
         with open(path) as f:
             text = f.read()
         starts = list(re.finditer(r"\.(entry|func)\s+(?:\([^)]*\)\s*)?(\w+)\(", text)) + [None]
@@ -462,11 +467,11 @@ def kernel_bodies(ptx_files: list) -> dict:
     return bodies
 
 
-def mma_note(kernel: str, ptx_files: list) -> str:
+def mma_note(kernel: str, paths: list) -> str:
     """Which tensor-core instructions the kernel's PTX holds: Hopper's wgmma (warpgroup MMA, FP8 among
     its types) or Ampere's mma.sync (a third of the rate; FP8 operands on fp16 copies). '' when no PTX
     of the kernel was written (XLA_FLAGS set its own dump folder)."""
-    body = kernel_bodies(ptx_files).get(kernel)
+    body = kernel_bodies(paths).get(kernel)
     if body is None:
         return ""
     # wgmma.mma_async.sync.aligned.mMnNkK.ACCUMULATOR.A.B: the operand types
@@ -524,10 +529,10 @@ def sweep_rows(mesh, configs: list) -> list:
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
         name = tuning_name(kernel, tuning)
         try:
-            notes, before = [], ptx_files()
+            notes, before = [], dumped()
             with ptxas_notes(notes):
                 program.lower(*args).compile()
-            ptx = sorted(ptx_files() - before)
+            ptx = sorted(dumped() - before)
             rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills")
                         + mma_note(SWEPT_KERNEL[kernel], ptx))
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
@@ -552,10 +557,10 @@ def head_ptx_rows(mesh, impl: str) -> list:
             (((T, D), tg.BF16), ((D, V), tg.BF16), ((T, P_), jnp.int32), ((T, P_), tg.F32), ((T,), tg.F32))]
     head = jax.shard_map(lambda *a: tg._train_head_fwd(*a, impl)[:2], mesh=mesh, in_specs=(P(),) * len(args),
                          out_specs=(P(), P()), check_vma=False)  # the Pallas kernels lower inside a mesh
-    before = ptx_files()
+    before = dumped()
     jax.jit(head, compiler_options=tg.COMPILER_OPTIONS).lower(*args).compile()
     rows = [f"--head-ptx: the training head's forward alone (--head {impl}), {T} rows x {V} logits, {P_} targets a row"]
-    for kernel, body in sorted(kernel_bodies(sorted(ptx_files() - before)).items()):
+    for kernel, body in sorted(kernel_bodies(sorted(dumped() - before)).items()):
         count, ex2 = instruction_count(body)
         rows.append(f"    {kernel:32s} {count:5d} PTX instructions" + (
             f", {ex2:3d} ex2: {count / ex2:5.1f} per ex2" if ex2 else ""))
