@@ -1160,6 +1160,27 @@ def test_traffic_estimate_counts_slices_in_place_updates_trips_and_gemm_flops():
     rows, _ = traffic(SCATTER_HLO)
     assert rows == {"rows:7": [32 + 2048 + 2 * 2048, 0, 1, 0, 0], "zeros:8": [32 + 2048 + 1000 * 64 * 4, 0, 1, 0, 0]}
     assert traffic(CUBLAS_HLO)[0]["?"][1] == 2 * 64 * 96 * 32
+    # a cuBLAS call inside XLA's dynamic-slice fusion (reading one matrix of a bank in place): its FLOPs,
+    # and its line the call's (the fusion has none), not the slice's
+    sliced = TRAFFIC_HLO.replace(
+        "  ROOT %g = f32[32,16]{1,0} fusion(bf16[32,64]{1,0} %x.1, bf16[64,16]{1,0} %w.1), kind=kCustom, calls=%gemm, "
+        'metadata={op_name="g" stack_frame_id=2}',
+        "  %bank = bf16[3,64,16]{2,1,0} parameter(3)\n"
+        "  ROOT %g = (f32[32,16]{1,0}, s8[64]{0}) fusion(bf16[32,64]{1,0} %x.1, bf16[3,64,16]{2,1,0} %bank), "
+        "kind=kCustom, calls=%sliced_gemm").replace("%gemm (x: bf16[32,64], w: bf16[64,16]) -> f32[32,16] {", """\
+%sliced_gemm (x: bf16[32,64], b: bf16[3,64,16]) -> (f32[32,16], s8[64]) {
+  %x = bf16[32,64]{1,0} parameter(0)
+  %b = bf16[3,64,16]{2,1,0} parameter(1)
+  %one = bf16[1,64,16]{2,1,0} slice(%b), slice={[1:2], [0:64], [0:16]}, metadata={op_name="s" stack_frame_id=3}
+  %w = bf16[64,16]{1,0} bitcast(%one)
+  ROOT %c = (f32[32,16]{1,0}, s8[64]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", \
+metadata={op_name="c" stack_frame_id=2}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":\
+{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+}
+
+%gemm_unused (x: bf16[32,64], w: bf16[64,16]) -> f32[32,16] {""")
+    assert traffic(sliced)[0]["matmul:10 < step:20"] == [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4 + 64, 2 * 32 * 16 * 64,
+                                                          1, 0, 0]
     # every operand counts, the sixth (after XLA's comment) too: five f32[4] and a bf16[4] read, f32[4] written
     assert traffic(SIX_OPERANDS_HLO)[0] == {"?": [5 * 16 + 8 + 16, 0, 1, 0, 0]}
     # slices read through a bitcast and a convert: their elements in the operand's type (two of qkv's

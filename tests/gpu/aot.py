@@ -232,13 +232,23 @@ def traffic(text: str, devices: int = 1, branches: bool = True, instructions: di
     rows, unknown = {}, []
     typ = lambda comp, name: module.get(comp, name).type if module.get(comp, name) else ""  # noqa: E731
 
-    def gemm_flops(comp):
+    def cublas_flops(comp, ins):
+        """A cuBLAS call's 2 · result elements · lhs dimensions summed (0: not a cuBLAS call)."""
+        summed = re.search(r'custom_call_target="__cublas.*"lhs_contracting_dimensions":\[([\d",]*)\]', ins.attrs)
+        if ins.op != "custom-call" or not summed:
+            return 0
+        lhs = dims(typ(comp, ins.operands[0]))
+        K = np.prod([lhs[int(d)] for d in summed[1].replace('"', "").split(",") if d])
+        return 2 * int(np.prod(dims(ins.type))) * int(K)
+
+    def gemm_flops(comp):  # a fusion's: its dots (XLA's GEMM fusions) and cuBLAS calls (dynamic-slice fusions)
         flops = 0
         for ins in module.computations.get(comp, {}).values():
             if ins.op == "dot":
                 lhs = dims(typ(comp, ins.operands[0]))
                 contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)[1]
                 flops += 2 * int(np.prod(dims(ins.type))) * int(np.prod([lhs[int(c)] for c in contracted.split(",") if c]))
+            flops += cublas_flops(comp, ins)
         return flops
 
     def fusion_bytes(comp, ins, called):
@@ -286,6 +296,17 @@ def traffic(text: str, devices: int = 1, branches: bool = True, instructions: di
                 moved += type_bytes(r.type)
         return moved
 
+    def source(ins, called):
+        """ins's source line, or, for a fusion without one (XLA's dynamic-slice fusion of a cuBLAS call),
+        its root's (the call's), else the first line an instruction inside it has."""
+        line = where(ins.attrs)
+        if line == "?" and called:
+            inside = module.computations[called]
+            for inner in [inside[module.roots[called]], *inside.values()]:
+                if (line := where(inner.attrs)) != "?":
+                    break
+        return line
+
     def walk(comp, times):
         for ins in module.computations[comp].values():
             if ins.op in FREE_OPS:
@@ -321,12 +342,9 @@ def traffic(text: str, devices: int = 1, branches: bool = True, instructions: di
                 if pallas_gemm(ins):  # A (M x K) and B (N x K) first: 2·M·N·K
                     (M, K), (N, _) = dims(typ(comp, ins.operands[0])), dims(typ(comp, ins.operands[1]))
                     flops = 2 * M * N * K
-                elif summed := re.search(r'custom_call_target="__cublas.*"lhs_contracting_dimensions":\[([\d",]*)\]',
-                                         ins.attrs):
-                    lhs = dims(typ(comp, ins.operands[0]))  # cuBLAS's: 2 · result elements · lhs dims summed
-                    K = np.prod([lhs[int(d)] for d in summed[1].replace('"', "").split(",") if d])
-                    flops = 2 * int(np.prod(dims(ins.type))) * int(K)
-            row = rows.setdefault(where(ins.attrs), [0, 0, 0, 0, 0])
+                else:
+                    flops = cublas_flops(comp, ins)
+            row = rows.setdefault(source(ins, called[1] if called else None), [0, 0, 0, 0, 0])
             row[0] += moved * times
             row[1] += flops * times
             row[2] += times
