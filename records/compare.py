@@ -243,7 +243,8 @@ def plot(a, b, path: str, baseline=None, baseline_name="", target: float = TARGE
         ax.set_xlabel(xlabel)
         ax.set_ylabel("val loss")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    # the curves' legend above the top row, outside its panels: inside one it covered a short run's curve
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(curves), fontsize=8)
     decisive.axhline(target, color="red", ls="--", label=f"target {target}")
     decisive.set_ylim(bottom, top)
     decisive.set_xlim(start, 1.01)
@@ -252,7 +253,7 @@ def plot(a, b, path: str, baseline=None, baseline_name="", target: float = TARGE
     decisive.set_ylabel("val loss")
     decisive.grid(alpha=0.3)
     decisive.legend(fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=100)
     return fig
 

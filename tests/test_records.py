@@ -220,6 +220,13 @@ def test_compare_plot_is_a_png_with_both_runs_and_the_baseline(tmp_path, capsys)
     assert list(fig.axes[0].lines[1].get_ydata()) == [v for _, v, _ in parse_log(b).val_curve]
     assert list(fig.axes[1].lines[1].get_xdata()) == [s / 40 for s, _, _ in parse_log(b).val_curve]
     assert "(PyTorch)" in fig.axes[0].lines[1].get_label() and "(JAX, preset cpu)" in fig.axes[0].lines[0].get_label()
+    # the curves' legend is the figure's, above the top row: none inside those panels, where it covered a
+    # short run's curve
+    assert [ax.get_legend() for ax in fig.axes[:3]] == [None] * 3
+    [legend] = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [line.get_label() for line in fig.axes[0].lines]
+    top_row = min(ax.get_window_extent().y0 for ax in fig.axes[:3])
+    assert legend.get_window_extent().y0 > max(ax.get_window_extent().y1 for ax in fig.axes[:3]) > top_row
     fake = write_log(tmp_path / "s.txt", dataclasses.replace(HP, train_files="data/synthetic/synthetic_train_*.bin"),
                      random_curve(rng), 100.0)  # a run on synthetic shards says so beside the record's curve
     fig = compare.plot(parse_log(fake), parse_log(b), str(out), baseline, "record20")
