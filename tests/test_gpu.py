@@ -1728,6 +1728,34 @@ if sys.argv[1] == "train_gpt.py":
     assert lane_env["FAILURES_AT_ONCE"] == "1" and 100 <= int(lane_env["GPU_LANE_TIMEOUT"]) <= 200 - 25 - 30
     assert lane_env["GPU_LANE_RESULTS"].endswith("/lane-results.jsonl")  # in the piece's output, packed
 
+    # ncu: bench.py's sweep of the kernels' defaults under Nsight Compute, then its report's details as text
+    calls.unlink()
+    with open(stand_in, "a") as f:  # as ncu: the report where --export names it
+        f.write('if "--export" in sys.argv:\n    open(sys.argv[sys.argv.index("--export") + 1] + ".ncu-rep", "w").close()\n')
+    r = subprocess.run([script, "ncu"], capture_output=True, text=True, timeout=60,
+                       env={**env, "PYTHON": str(stand_in), "NCU": str(stand_in), "XLA_FLAGS": "--mine"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    (profiled, profiled_env), (page, _) = (json.loads(line) for line in calls.read_text().splitlines())
+    app = profiled.index(str(stand_in))  # ncu's options, then the profiled command
+    assert profiled[app + 1:app + 4] == ["bench.py", "--sweep", session_ncu_sweep()]
+    assert " ".join(profiled[:2]) == "--clock-control none" and "regex:^(attention_|mlp_)" in profiled[:app]
+    assert profiled_env["XLA_FLAGS"] == "--mine --xla_gpu_enable_command_buffer="
+    assert page[:2] == ["--import", profiled[profiled.index("--export") + 1] + ".ncu-rep"] and "ncu-page" in r.stdout
+
+
+def session_ncu_sweep() -> str:
+    """The ncu piece's kernels: each Pallas kernel at train_gpt's default tuning (dq's sweep item runs the
+    dk/dv kernel at its default beside it)."""
+    import train_gpt as tg
+    from bench import tuning_name
+    return ",".join(tuning_name(k, t) for k, t in (("fwd", tg.PALLAS_FWD), ("dq", tg.PALLAS_DQ),
+                                                   ("up", tg.PALLAS_MLP_UP), ("dpre", tg.PALLAS_MLP_DPRE)))
+
+
+def test_the_ncu_piece_profiles_the_kernels_default_tunings():
+    script = open(os.path.join(ROOT, "tests", "gpu", "session.sh")).read()
+    assert f"NCU_SWEEP=${{NCU_SWEEP:-{session_ncu_sweep()}}}" in script
+
 
 def test_a_case_result_is_kept_in_gpu_lane_results_as_it_ends(tmp_path, monkeypatch):
     kept = tmp_path / "results.jsonl"

@@ -23,14 +23,20 @@
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40): the lane, its
 #                          # head case the one that faulted (over 175 s on an H200 on 2026-11-27, its train case
 #                          # past its case limit while compiling; 85 s before), each case's numbers kept
+#   OUT=$OUT/n BUDGET_S=170 tests/gpu/session.sh ncu
+#                          # call 3 if call 1 ran to its end (budget_left_s - 40 at most): the Pallas kernels'
+#                          # hardware counters, why attention runs at 13-17% of the tensor cores and mlp_up
+#                          # at half of cuBLAS's FP8 rate (the first ncu run of this code: if it fails at once,
+#                          # the call's rest goes to call 4)
 #   OUT=$OUT/x BUDGET_S=130 tests/gpu/session.sh short-pallas
-#                          # call 3 if budget_left_s - 40 holds it (an H100: 160): today's default, XLA's head
+#                          # call 3 instead if call 1 did not end (an H100: 160): today's default, XLA's head
 #                          # (its passes with fewer instructions since 2026-11-28), against call 1's Pallas head
 #                          # in the same session (all three calls run matmul's bf16 GEMM outputs and the head
 #                          # GEMM's bf16 logits for the first time: tests/gpu/README.md)
-#   SWEEP=up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3 OUT=$OUT/s BUDGET_S=120 \
+#   SWEEP=up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3,dq:64/8/2,dq:64/8/3,dkv:64/8/4 OUT=$OUT/s BUDGET_S=150 \
 #       tests/gpu/session.sh sweep
-#                          # call 4 if budget_left_s - 40 holds it: mlp_up's tile (the reference's, the old one)
+#                          # call 4 if budget_left_s - 40 holds it: mlp_up's tile (the reference's, the old one),
+#                          # and the attention backward's stages (64/8/3 and 64/8/4 fastest once on 2026-11-27)
 #   MLP=xla HEAD=xla XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
@@ -69,6 +75,14 @@
 #                   the record's last-stage chunk (attention and the MLP's), a row each, the median of
 #                   3 rounds (every row timed once a round), in sweep.txt
 #                   (default: SWEEP_DEFAULT below)                                        (limit 540 s)
+#   ncu             Nsight Compute's counters of the Pallas kernels at their defaults (NCU_SWEEP, below)
+#                   and the record's last-stage chunk: bench.py --sweep NCU_SWEEP, one call each, under
+#                   ncu (NCU: its path) with --clock-control none, XLA's command buffers off, kernels
+#                   matching ^(attention_|mlp_), their first 20 launches: where each kernel's time goes
+#                   (speed of light, pipes, occupancy, warp stalls, instruction mix), which the profile's
+#                   times cannot say (attention at 13-17% of the tensor cores, mlp_up at about half of
+#                   cuBLAS's FP8 rate); the report in ncu.ncu-rep, its details page as text in
+#                   ncu-page.log                                                 (limit 240 s + 60 s)
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
@@ -98,9 +112,11 @@ MLP=${MLP:-auto} HEAD=${HEAD:-auto}  # train_gpt.py's and bench.py's --mlp, --he
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
 SWEEP_DEFAULT+=,up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3,up:128x128x128/8/4
 SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x256x32/8/4
+# the kernels' defaults (train_gpt.PALLAS_FWD, _DQ with _DKV, _MLP_UP, _MLP_DPRE; a test checks them)
+NCU_SWEEP=${NCU_SWEEP:-fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x256x64/8/3}
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
-PIECES="lane short-xla short-pallas crash-xla crash-pallas short-record20 profile-xla profile-pallas bench sweep"
+PIECES="lane short-xla short-pallas crash-xla crash-pallas short-record20 profile-xla profile-pallas bench sweep ncu"
 if ! [[ " auto xla pallas " == *" $MLP "* && " auto xla pallas " == *" $HEAD "* ]]; then
     echo "tests/gpu/session.sh: MLP=$MLP HEAD=$HEAD: choose auto, xla or pallas for each (train_gpt.py --mlp, --head)" >&2
     exit 2
@@ -201,6 +217,14 @@ for p in "$@"; do
         bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --attention pallas --mlp "$MLP" \
             --head "$HEAD" --compile-cache-dir "$CACHES/pallas" --out "$RUN/bench.txt" ;;
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$RUN/sweep.txt" ;;
+        ncu)  # the counters replay each kernel many times: one call each, unpreallocated memory for the replays
+            piece ncu 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+                "${NCU:-ncu}" --clock-control none -k "regex:^(attention_|mlp_)" --launch-count 20 \
+                --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                --section InstructionStats --export "$RUN/ncu" --force-overwrite \
+                "$PY" bench.py --sweep "$NCU_SWEEP" --repeats 1 --rounds 1 --out "$RUN/ncu-sweep.txt"
+            [ -f "$RUN/ncu.ncu-rep" ] && piece ncu-page 60 "${NCU:-ncu}" --import "$RUN/ncu.ncu-rep" --page details ;;
     esac
 done
 # what this call's pieces wrote in one file (a device call brings back at most 8), under a new name
