@@ -115,7 +115,7 @@ def test_fp32_with_other_tiles_matches_float64_oracle():
             assert max_err(o, r) < 1e-5 * np.max(np.abs(r)), (name, window, max_err(o, r))
 
 
-def test_block_tables_visit_exactly_the_block_pairs_with_a_visible_key():
+def test_block_tables_visit_exactly_the_block_pairs_with_a_visible_key_and_mask_only_where_needed():
     rng = np.random.default_rng()
     N = 16
     T = 128 * N
@@ -127,9 +127,10 @@ def test_block_tables_visit_exactly_the_block_pairs_with_a_visible_key():
                "one doc": np.zeros(T, np.int32), "doc per block": (i // 128).astype(np.int32),
                "paired": np.repeat(random_docs(rng, T // 2, 100), 2),
                "unsorted": rng.integers(0, 4, T).astype(np.int32)}
+    full_tiles = 0
     for kind, docs in layouts.items():
         for window in (0, 1, 127, 128, 129, 3 * 128, 1000, T):
-            lo_N, hi_N = (np.asarray(t) for t in tables(jnp.asarray(docs), jnp.int32(window)))
+            lo_N, hi_N, full_from_N, full_to_N = (np.asarray(t) for t in tables(jnp.asarray(docs), jnp.int32(window)))
             allowed = (distance >= 0) & (distance <= window) & (docs[:, None] == docs[None, :])
             pairs_NxN = allowed.reshape(N, 128, N, 128).any(axis=(1, 3))  # [n, j]: query block n, key block j
             fwd_NxN, dkv_NxN = (lo_N[:, None] <= j) & (j <= n), (j <= n) & (n <= hi_N[None, :])
@@ -138,6 +139,23 @@ def test_block_tables_visit_exactly_the_block_pairs_with_a_visible_key():
                 np.testing.assert_array_equal(fwd_NxN, (j <= n) & (n - j <= -(-window // 128)))
             else:
                 np.testing.assert_array_equal(fwd_NxN, pairs_NxN, err_msg=f"{kind}, window {window}")
+            # the tiles left unmasked: the keys every query of block n sees, in a run up to the block, and the
+            # queries that see every key of block j, in a run from its end; none where docs are unsorted
+            begin, end = np.arange(N) * 128, np.arange(N) * 128 + 128
+            keys_seen = [allowed[b:e].all(axis=0) for b, e in zip(begin, end)]
+            queries_seeing = [allowed[:, b:e].all(axis=1) for b, e in zip(begin, end)]
+            if kind == "unsorted":
+                np.testing.assert_array_equal(full_from_N, begin)
+                np.testing.assert_array_equal(full_to_N, end)
+                continue
+            run_back = [b - next((b - 1 - t for t in range(b - 1, -1, -1) if not seen[t]), b) for b, seen in
+                        zip(begin, keys_seen)]
+            run_on = [e + next((t - e for t in range(e, T) if not seeing[t]), T - e) for e, seeing in
+                      zip(end, queries_seeing)]
+            np.testing.assert_array_equal(full_from_N, run_back, err_msg=f"{kind}, window {window}")
+            np.testing.assert_array_equal(full_to_N, run_on, err_msg=f"{kind}, window {window}")
+            full_tiles += np.sum(begin - full_from_N) + np.sum(full_to_N - end)
+    assert full_tiles > 0  # not a test of empty ranges only
 
 
 @pytest.mark.parametrize("T, H", [(49152, 6), (98304, 3)])  # the record's longest stage; its paired layers

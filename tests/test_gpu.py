@@ -1292,6 +1292,23 @@ def test_head_ptx_counts_each_kernels_instructions_and_exponentials(tmp_path):
     assert instruction_count(bodies["input_reduce_fusion"]) == (2, 0)
 
 
+def test_ptx_blocks_map_a_kernels_loop_and_its_branches():
+    """tests/gpu/aot.py --ptx-blocks: each basic block's instructions in order, and at each branch those up to
+    it and its target, so that a loop step's instructions on each path can be read off (here a loop step of
+    4 + 3 instructions where its second branch is taken, 7 + 3 where not)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    from aot import block_map
+
+    body = "\n".join([".visible .entry attention_fwd(", "{", "\tmov.u32 %r1, 0;", "\tbra.uni $L__BB0_1;",
+                       "$L__BB0_4:", "\tadd.s32 %r1, %r1, 1;  // the step's common part", "\tex2.approx.f32 %f1, %f1;",
+                       "\twgmma.commit_group.sync.aligned;", "$L__BB0_1:", "\tsetp.ge.s32 %p1, %r1, 9;",
+                       "\t@%p1 bra $L__BB0_5;", "\tsetp.eq.s32 %p2, %r1, 4;", "\t@%p2 bra \t$L__BB0_4;",
+                       "\tselp.f32 %f1, %f1, %f2, %p2;", "\tselp.f32 %f1, %f1, %f2, %p2;", "\tbra.uni $L__BB0_4;",
+                       "$L__BB0_5:", "\tret;", "}"])
+    assert block_map(body) == ("entry 2 (2 to $L__BB0_1) | $L__BB0_4 3 | $L__BB0_1 7 (2 to $L__BB0_5, 4 to $L__BB0_4, "
+                               "7 to $L__BB0_4) | $L__BB0_5 1")
+
+
 def test_traffic_estimate_takes_a_kernels_instructions_for_its_floor_where_they_outlast_its_bytes(tmp_path):
     """XLA's kernels' PTX instructions x their launch's threads (the thunk sequence's blocks x threads), times
     the loop's trips, at the H100's issue rate: a line's floor where longer than its bytes' ("issue-bound")."""

@@ -513,11 +513,33 @@ def instruction_count(body: str) -> tuple:
     return len(ops), sum(op.startswith("ex2.") for op in ops)
 
 
-def sweep_rows(mesh, configs: list) -> list:
+def block_map(body: str) -> str:
+    """A kernel's PTX (kernel_bodies') as its basic blocks in order, each with its instructions (as
+    instruction_count counts them) and, at each branch in it, those up to the branch and its target; a
+    block without a final unconditional branch goes on into the next. From it a loop step's instructions
+    on each path: e.g. the attention kernels' steps with and without their mask."""
+    blocks, label, ops, marks = [], "entry", 0, []
+    for line in body.split("\n")[1:] + ["$end:"]:
+        words = line.split("//")[0].split()
+        if words and re.fullmatch(r"\$\w+:", words[0]):
+            blocks.append(f"{label} {ops}" + (f" ({', '.join(marks)})" if marks else ""))
+            label, ops, marks = words[0][:-1], 0, []
+            continue
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if words and not words[0].startswith((".", "{", "}", "(", ")", "$")) and not words[0].endswith(":"):
+            ops += 1
+            if words[0].startswith("bra"):
+                marks.append(f"{ops} to {words[-1].rstrip(';')}")
+    return " | ".join(blocks)
+
+
+def sweep_rows(mesh, configs: list, blocks: bool = False) -> list:
     """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
     forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv;
     the MLP's kernels on the chunk's tokens at the record's width for up and dpre.
-    Each row: whether it compiles, ptxas's spills, and (from its PTX) which MMA instructions it got."""
+    Each row: whether it compiles, ptxas's spills, and (from its PTX) which MMA instructions it got; with
+    blocks, a second line: its kernel's PTX as block_map gives it."""
     hp = tg.PRESETS["record"]
     T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
     rep = NamedSharding(mesh, P())
@@ -553,6 +575,8 @@ def sweep_rows(mesh, configs: list) -> list:
             ptx = sorted(dumped() - before)
             rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills")
                         + mma_note(SWEPT_KERNEL[kernel], ptx))
+            body = kernel_bodies(ptx).get(SWEPT_KERNEL[kernel]) if blocks else None
+            rows[-1] += f"\n    {SWEPT_KERNEL[kernel]}'s PTX blocks: {block_map(body)}" if body else ""
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
             rows.append(f"{name:14s} FAILS: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         print(rows[-1], flush=True)
@@ -598,6 +622,8 @@ def main(argv=None) -> int:
                         help="all: each stage shape's train program and validation; last: the last stage's train "
                              "program; none: only --sweep or --head-ptx")
     parser.add_argument("--sweep", metavar="CONFIGS", help="KERNEL:TILE/WARPS/STAGES items as bench.py --sweep takes")
+    parser.add_argument("--ptx-blocks", action="store_true",
+                        help="with --sweep: each swept kernel's PTX as basic blocks, their instructions and branches")
     parser.add_argument("--head-ptx", action="store_true",
                         help="the training head's forward alone (--head's) at the last stage's chunk: each kernel's PTX "
                              "instructions and exponentials (ex2)")
@@ -624,7 +650,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPU cores, without autotuning", flush=True)
     rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(
         mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head)]
-    rows += sweep_rows(mesh, configs)
+    rows += sweep_rows(mesh, configs, args.ptx_blocks)
     rows += head_ptx_rows(mesh, args.head) if args.head_ptx else []
     return 1 if any("PROBLEMS" in r or "fewer than" in r or "FAILS" in r for r in rows) else 0
 
