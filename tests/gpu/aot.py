@@ -20,7 +20,8 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
             in collectives (the gradients' reduce-scatters, the new parameters' all-gathers);
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
             and registers at the record's last stage, so that a GPU session times only those, and
-            which tensor-core instructions each got (its PTX: Hopper's wgmma, or Ampere's mma.sync);
+            which tensor-core instructions each got (its PTX: Hopper's wgmma, or Ampere's mma.sync); with
+            --ptx-blocks also its PTX's basic blocks and branches (a loop step's instructions on each path);
   --head-ptx the training head's forward alone (--head's: the FP8 GEMM, the normaliser's and the
             gradient's passes over the logits) at the last stage's chunk: each kernel's PTX
             instructions and exponentials (ex2), from which a logit's: XLA's gradient pass moved 3
@@ -29,7 +30,7 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
 It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in its own environment,
 
     python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest
-    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--devices N] [--sweep CONFIGS] [--head-ptx]
+    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--devices N] [--sweep CONFIGS [--ptx-blocks]] [--head-ptx]
 """
 import argparse
 import atexit
