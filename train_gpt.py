@@ -729,29 +729,23 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
 
 
 def _bf16_rounded(x):
-    """fp32 x rounded to bf16's precision (to nearest, ties to even), kept fp32: where the reference stores
-    a value in bf16 and reads it back. On the bits, because XLA's GPU compiler drops a bf16 round trip
-    inside a fused computation unless COMPILER_OPTIONS (excess precision: an H100 program computed the
-    e4m3 copy of post from fp32 relu(pre)², and dpre from sqrt(relu(pre)²) instead of sqrt(post)) and
-    Pallas's Triton lowering has no reduce_precision. Infinities stay; a NaN is kept as it is (the carry
-    could make one -0). No derivative (bit operations): only in forwards a custom_vjp or a kernel owns
-    (autodiff through it zeroes the gradient: 2026-11-27, at the DC correction's output, tried and
-    reverted)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return jnp.where(x == x, jax.lax.bitcast_convert_type(bits, F32), x)
-
-
-def _bf16_kept(x):
-    """x rounded to bf16, as fp32 on bf16's grid: cast, then rounded on the bits too (a no-op, unless a
-    fusion dropped the cast)."""
-    return _bf16_rounded(f32(x.astype(BF16)))
+    """x rounded to bf16's precision (to nearest, ties to even), kept fp32: where the reference stores a
+    value in bf16 and reads it back. Converted to bf16, its bits widened back to fp32, which no compiler
+    drops: XLA's GPU compiler drops a bf16 round trip inside a fused computation unless COMPILER_OPTIONS
+    (excess precision: an H100 program computed the e4m3 copy of post from fp32 relu(pre)², and dpre from
+    sqrt(relu(pre)²) instead of sqrt(post)), XLA:CPU one that a reduction reads, options or not, and
+    Pallas's Triton lowering has no reduce_precision. On a GPU the hardware's convert and a shift (the
+    rounding on the bits took 6-8 more PTX instructions a value: a fifth of mlp_up's epilogue). No
+    derivative (bit operations): only in forwards a custom_vjp or a kernel owns (autodiff through it
+    zeroes the gradient: 2026-11-27, at the DC correction's output, tried and reverted)."""
+    bf16_bits = jax.lax.bitcast_convert_type(x.astype(BF16), jnp.uint16)
+    return jax.lax.bitcast_convert_type(bf16_bits.astype(jnp.uint32) << 16, F32)
 
 
 def _relu2(acc):
     """post = relu(pre)² as the reference's kernel rounds it: pre = bf16(acc), post = bf16(pre²), both
     kept fp32 (on bf16's grid) so that post's e4m3 copy and sqrt(post) read the rounded value."""
-    c = _bf16_kept(jnp.maximum(acc.astype(BF16), 0))
+    c = _bf16_rounded(jnp.maximum(acc.astype(BF16), 0))
     return _bf16_rounded(c * c)
 
 
@@ -1057,12 +1051,9 @@ def _softcap_sigmoid(u, exp=None):
 
 
 def _softcap_sig(u):
-    """sigmoid((u + B)/C) in fp32, rounded to bf16 as the reference's kernel stores it: converted to bf16, its
-    bits widened back to fp32, which no compiler drops (XLA drops a bf16 round trip whose readers convert it
-    back, unless COMPILER_OPTIONS, and XLA:CPU one that a reduction reads, options or not); on a GPU the
-    hardware's convert, where reduce_precision's bit arithmetic took 4 more PTX instructions a logit."""
-    bf16_bits = jax.lax.bitcast_convert_type(_softcap_sigmoid(u).astype(BF16), jnp.uint16)
-    return jax.lax.bitcast_convert_type(bf16_bits.astype(jnp.uint32) << 16, F32)
+    """sigmoid((u + B)/C) in fp32, rounded to bf16 as the reference's kernel stores it (_bf16_rounded: where
+    reduce_precision's bit arithmetic took 4 more PTX instructions a logit in XLA's passes)."""
+    return _bf16_rounded(_softcap_sigmoid(u))
 
 
 def _capped_lse(z):
@@ -1775,7 +1766,8 @@ def _mlp_up_kernel(x_ref, w_ref, scales_ref, valid_ref, post_ref, post_f8_ref, a
     post = _relu2(_gemm_nt(x_ref, w_ref, depth) * scales_ref[0])
     post_ref[...] = post.astype(BF16)
     post_f8_ref[...] = jnp.minimum(post * scales_ref[1], E4M3_MAX).astype(E4M3)
-    amax_ref[...] = jnp.max(jnp.where(valid_ref[...][:, None] != 0, post, 0), keepdims=True)
+    # post >= 0: the valid rows' maxima, not a select per value
+    amax_ref[...] = jnp.max(jnp.where(valid_ref[...] != 0, jnp.max(post, axis=1), 0)).reshape(1, 1)
 
 
 def _mlp_dpre_kernel(g_ref, w_ref, post_ref, dpre_ref, *, depth):
@@ -1840,7 +1832,7 @@ def _exp_fast(x):
 
 def _head_softcap_kernel(logits_ref, sig_ref, sumexp_ref):
     u = logits_ref[...]  # bf16, as the reference's GEMM writes them
-    sig = _bf16_rounded(_softcap_sigmoid(u, _exp_fast))  # _softcap_sig's rounding (Triton has no reduce_precision)
+    sig = _bf16_rounded(_softcap_sigmoid(u, _exp_fast))  # _softcap_sig's rounding
     sig_ref[...] = sig.astype(BF16)
     sumexp_ref[...] = jnp.sum(_exp_fast(np.float32(SOFTCAP_A) * sig - np.float32(SOFTCAP_A)), axis=1, keepdims=True)
 
