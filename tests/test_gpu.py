@@ -1292,6 +1292,31 @@ def test_head_ptx_counts_each_kernels_instructions_and_exponentials(tmp_path):
     assert instruction_count(bodies["input_reduce_fusion"]) == (2, 0)
 
 
+def test_a_swept_kernels_registers_and_the_programs_they_leave_room_for(tmp_path, monkeypatch):
+    """tests/gpu/aot.py --sweep: ptxas -v's registers of the kernel's module (here a stand-in ptxas), and
+    how many of its programs fit a multiprocessor's 65,536 registers, a warp's taken in 8s a thread."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    import aot
+
+    module = tmp_path / "m.ptx"
+    module.write_text(".visible .entry attention_dq(\n)\n.reqntid 64, 1, 1\n{\n}\n"
+                      ".visible .entry mlp_up(\n)\n.reqntid 256, 1, 1\n{\n\tret;\n}\n")
+    ptxas = tmp_path / "ptxas"
+    ptxas.write_text("#!/bin/sh\necho \"ptxas info    : Function properties for attention_dq\" >&2\n"
+                     "echo \"ptxas info    : Used 40 registers, used 1 barriers\" >&2\n"
+                     "echo \"ptxas info    : Function properties for mlp_up\" >&2\n"
+                     "echo \"ptxas info    : Used $REGS registers, used 1 barriers\" >&2\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setattr(aot, "ptxas_binary", lambda: str(ptxas))
+    for regs, fit in ((236, 1), (128, 2), (121, 2), (129, 1), (108, 2), (64, 4)):  # 121 taken as 128, 129 as 136
+        monkeypatch.setenv("REGS", str(regs))
+        expected = f", {regs} registers a thread (registers for {fit} of its 256-thread programs a multiprocessor)"
+        assert aot.registers_note("mlp_up", [str(module)]) == expected, regs
+    assert aot.registers_note("mlp_dpre", [str(module)]) == ""  # no PTX of it
+    monkeypatch.setattr(aot, "ptxas_binary", lambda: None)
+    assert aot.registers_note("mlp_up", [str(module)]) == ""  # no ptxas here (CI)
+
+
 def test_ptx_blocks_map_a_kernels_loop_and_its_branches():
     """tests/gpu/aot.py --ptx-blocks: each basic block's instructions in order, and at each branch those up to
     it and its target, so that a loop step's instructions on each path can be read off (here a loop step of

@@ -20,7 +20,8 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
             in collectives (the gradients' reduce-scatters, the new parameters' all-gathers);
   --sweep   which Pallas kernel configurations (bench.py --sweep syntax) fit the H100's shared memory
             and registers at the record's last stage, so that a GPU session times only those, and
-            which tensor-core instructions each got (its PTX: Hopper's wgmma, or Ampere's mma.sync); with
+            which tensor-core instructions each got (its PTX: Hopper's wgmma, or Ampere's mma.sync), its
+            registers (ptxas -v) and how many of its programs they leave room for on a multiprocessor; with
             --ptx-blocks also its PTX's basic blocks and branches (a loop step's instructions on each path);
   --head-ptx the training head's forward alone (--head's: the FP8 GEMM, the normaliser's and the
             gradient's passes over the logits) at the last stage's chunk: each kernel's PTX
@@ -41,6 +42,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -514,6 +516,39 @@ def instruction_count(body: str) -> tuple:
     return len(ops), sum(op.startswith("ex2.") for op in ops)
 
 
+REGISTERS_PER_SM = 65536  # an H100's multiprocessor's register file, 32-bit registers
+
+
+def ptxas_binary():
+    """ptxas from the CUDA plugin's wheel (nvidia/cu13/bin), else on PATH; None where there is none."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        for found in glob.glob(os.path.join(root, "*", "bin", "ptxas")):
+            return found
+    return shutil.which("ptxas")
+
+
+def registers_note(kernel: str, paths: list) -> str:
+    """The kernel's registers a thread as ptxas -v gives them for sm_90a (its module recompiled alone), and
+    how many of its programs a multiprocessor's registers hold (a warp's registers taken in 8s a thread):
+    where that is 1, nothing overlaps one program's epilogue or softmax with another's MMAs. '' without
+    ptxas or the kernel's PTX."""
+    ptxas = ptxas_binary()
+    path = next((p for p in paths if f".entry {kernel}(" in open(p).read()), None)
+    if not ptxas or not path:
+        return ""
+    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    threads = re.search(r"\.reqntid (\d+)", open(path).read().split(f".entry {kernel}(")[1])
+    used = re.search(rf"Function properties for {kernel}\b.*?Used (\d+) registers", out.stderr, re.S) or \
+        re.search(r"Used (\d+) registers", out.stderr)
+    if not used or not threads:
+        return ""
+    regs, n = int(used[1]), int(threads[1])
+    fit = REGISTERS_PER_SM // (-(-regs // 8) * 8 * n)
+    return f", {regs} registers a thread (registers for {fit} of its {n}-thread programs a multiprocessor)"
+
+
 def block_map(body: str) -> str:
     """A kernel's PTX (kernel_bodies') as its basic blocks in order, each with its instructions (as
     instruction_count counts them) and, at each branch in it, those up to the branch and its target; a
@@ -575,7 +610,7 @@ def sweep_rows(mesh, configs: list, blocks: bool = False) -> list:
                 program.lower(*args).compile()
             ptx = sorted(dumped() - before)
             rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills")
-                        + mma_note(SWEPT_KERNEL[kernel], ptx))
+                        + mma_note(SWEPT_KERNEL[kernel], ptx) + registers_note(SWEPT_KERNEL[kernel], ptx))
             body = kernel_bodies(ptx).get(SWEPT_KERNEL[kernel]) if blocks else None
             rows[-1] += f"\n    {SWEPT_KERNEL[kernel]}'s PTX blocks: {block_map(body)}" if body else ""
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)

@@ -33,10 +33,11 @@
 #                          # (its passes with fewer instructions since 2026-11-28), against call 1's Pallas head
 #                          # in the same session (all three calls run matmul's bf16 GEMM outputs and the head
 #                          # GEMM's bf16 logits for the first time: tests/gpu/README.md)
-#   SWEEP=up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3,dq:64/8/2,dq:64/8/3,dkv:64/8/4 OUT=$OUT/s BUDGET_S=150 \
+#   SWEEP=up:128x256x128/8/3,up:128x128x128/8/3,up:256x128x128/8/3,dpre:128x256x64/8/3,dpre:128x128x64/8/3,dq:64/8/2,dq:64/8/3,dkv:64/8/4 OUT=$OUT/s BUDGET_S=150 \
 #       tests/gpu/session.sh sweep
-#                          # call 4 if budget_left_s - 40 holds it: mlp_up's tile (the reference's, the old one),
-#                          # and the attention backward's stages (64/8/3 and 64/8/4 fastest once on 2026-11-27)
+#                          # call 4 if budget_left_s - 40 holds it: the MLP kernels' tiles, the reference's against
+#                          # 128 x 128, whose registers let two programs share a multiprocessor (tests/gpu/aot.py
+#                          # --sweep), and the attention backward's stages (64/8/3, 64/8/4 fastest once, 2026-11-27)
 #   MLP=xla HEAD=xla XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
@@ -108,10 +109,11 @@ MLP=${MLP:-auto} HEAD=${HEAD:-auto}  # train_gpt.py's and bench.py's --mlp, --he
 # does dkv 128/8; tile 128 with 3-4 stages (fwd: 4) exceeds the shared memory)
 # and the MLP's GEMM kernels' defaults (up 128x256x128/8/3, dpre 128x256x64/8/3: the reference's) and
 # neighbours, all clean for an H100 (up since its FP8 dot accumulates into the loop's sum, 2026-11-27:
-# 128x256 and 256x128 spilled before; up's old default 128x128x128/8/3 among them; dpre as on 2026-11-26)
+# 128x256 and 256x128 spilled before; up's old default 128x128x128/8/3 among them; dpre as on 2026-11-26, and
+# 128x128x64/8/3, whose registers leave room for two programs a multiprocessor, since 2026-11-28)
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
 SWEEP_DEFAULT+=,up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3,up:128x128x128/8/4
-SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x256x32/8/4
+SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x128x64/8/3,dpre:128x256x32/8/4
 # the kernels' defaults (train_gpt.PALLAS_FWD, _DQ with _DKV, _MLP_UP, _MLP_DPRE; a test checks them)
 NCU_SWEEP=${NCU_SWEEP:-fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x256x64/8/3}
 BUDGET_S=${BUDGET_S:-540}
