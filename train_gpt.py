@@ -290,8 +290,8 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # compiled for an H100 (2026-11-27), 22 of the train program's kernels stored the residual stream, its
 # gradient, the MLP's output and the attention's values in fp32, unrounded, where the code (and the
 # reference) stores bf16. So the programs are compiled to round where the code rounds (XLA:CPU drops
-# some such roundings all the same: the pieces that must round there do it on the bits, _bf16_rounded,
-# or with reduce_precision).
+# some such roundings all the same: the pieces that must round there do it with _bf16_rounded, whose
+# widened bits no compiler drops, or with reduce_precision).
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 PAIRED_LAYERS = (0, 2, 5, 9)

@@ -13,7 +13,10 @@ import train_gpt as m
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 K = 32  # head dim: the record's is 128; a smaller one keeps interpret mode fast
-WINDOWS = (0, 100, 128, 3 * 128, 5000)  # self only, not a block multiple, one and three blocks, wider than T
+# self only, not a block multiple, one and three blocks, wider than T; and 254, whose run of keys every query
+# of a block sees starts one past a tile's start and whose run of queries that see every key of a block ends
+# one past a tile's end: a kernel that took the tile at either edge for full (unmasked) gets other values
+WINDOWS = (0, 100, 128, 254, 3 * 128, 5000)
 
 
 def dense_oracle_f64(q, k, v, docs, window, scale, dout):
@@ -113,6 +116,33 @@ def test_fp32_with_other_tiles_matches_float64_oracle():
         for name, o, r in zip(("out", "lse", "dq", "dk", "dv"), ours, ref):
             assert o.dtype == F32
             assert max_err(o, r) < 1e-5 * np.max(np.abs(r)), (name, window, max_err(o, r))
+
+
+def test_the_kernels_take_the_tiles_the_tables_call_full_unmasked(monkeypatch):
+    """A tile the block tables call full goes through _masked's first branch, which applies no mask: with
+    that branch poisoned (its scores shifted) each kernel's result moves on one long document, and none
+    moves at window 0, where every tile needs its mask (each query sees only itself)."""
+    x = jnp.arange(6.0).reshape(2, 3)
+    nothing_visible = lambda: jnp.zeros((2, 3), bool)  # noqa: E731
+    np.testing.assert_array_equal(m._masked(jnp.bool_(True), -9.0, x, nothing_visible), x)  # not applied
+    np.testing.assert_array_equal(m._masked(jnp.bool_(False), -9.0, x, nothing_visible), jnp.full((2, 3), -9.0))
+    rng = np.random.default_rng()
+    T, H = 512, 2
+    q, k, v, dout = random_inputs(rng, T, H, F32)
+    docs = jnp.zeros(T, jnp.int32)
+
+    def run(window):
+        out, lse = m._pallas_forward(q, k, v, docs, window, 0.2)
+        return (out, *m._pallas_backward(q, k, v, docs, window, 0.2, out, lse, dout))
+
+    honest = {w: run(w) for w in (0, 384)}
+    monkeypatch.setattr(m, "_masked", lambda full, value, x, visible: jax.lax.cond(  # + 1 on a full tile's scores
+        full, lambda x: x + 1, lambda x: jnp.where(visible(), x, value), x))  # (forward) or probabilities
+    poisoned = {w: run(w) for w in (0, 384)}
+    for name, h, p in zip(("out", "dq", "dk", "dv"), honest[384], poisoned[384]):
+        assert max_err(h, p) > 1e-3, name  # every kernel took full tiles
+    for name, h, p in zip(("out", "dq", "dk", "dv"), honest[0], poisoned[0]):
+        np.testing.assert_array_equal(np.asarray(h), np.asarray(p), err_msg=name)
 
 
 def test_block_tables_visit_exactly_the_block_pairs_with_a_visible_key_and_mask_only_where_needed():

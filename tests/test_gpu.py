@@ -1181,6 +1181,12 @@ metadata={op_name="c" stack_frame_id=2}, backend_config={"gemm_backend_config":{
 %gemm_unused (x: bf16[32,64], w: bf16[64,16]) -> f32[32,16] {""")
     assert traffic(sliced)[0]["matmul:10 < step:20"] == [32 * 64 * 2 + 64 * 16 * 2 + 32 * 16 * 4 + 64, 2 * 32 * 16 * 64,
                                                           1, 0, 0]
+    wrapped = sliced.replace("  ROOT %c = (f32[32,16]{1,0}, s8[64]{0}) custom-call(", "  %c = (f32[32,16]{1,0}, s8[64]{0}) custom-call(")
+    wrapped = wrapped.replace('{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}\n}',
+                              '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}\n'
+                              '  ROOT %t = ((f32[32,16]{1,0}, s8[64]{0})) tuple(%c)\n}')
+    assert "ROOT %t" in wrapped  # a fusion whose root is a tuple: its call's line too, not its slice's
+    assert traffic(wrapped)[0] == traffic(sliced)[0]
     # every operand counts, the sixth (after XLA's comment) too: five f32[4] and a bf16[4] read, f32[4] written
     assert traffic(SIX_OPERANDS_HLO)[0] == {"?": [5 * 16 + 8 + 16, 0, 1, 0, 0]}
     # slices read through a bitcast and a convert: their elements in the operand's type (two of qkv's

@@ -642,7 +642,7 @@ def test_bf16_rounded_rounds_as_a_bf16_cast_and_keeps_infinities_and_nans():
     got = np.asarray(jax.jit(m._bf16_rounded)(x))
     want = x.astype(ml_dtypes.bfloat16).astype(np.float32)  # numpy's cast: to nearest, ties to even
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    nans = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF], np.uint32).view(np.float32)  # (the last two carry)
+    nans = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF], np.uint32).view(np.float32)  # (rounding up would carry)
     assert np.isnan(np.asarray(jax.jit(m._bf16_rounded)(nans))).all()
 
 

@@ -301,11 +301,12 @@ def traffic(text: str, devices: int = 1, branches: bool = True, instructions: di
 
     def source(ins, called):
         """ins's source line, or, for a fusion without one (XLA's dynamic-slice fusion of a cuBLAS call),
-        its root's (the call's), else the first line an instruction inside it has."""
+        its root's, else its library call's, else the first line an instruction inside it has."""
         line = where(ins.attrs)
         if line == "?" and called:
             inside = module.computations[called]
-            for inner in [inside[module.roots[called]], *inside.values()]:
+            calls = [i for i in inside.values() if i.op == "custom-call"]
+            for inner in [inside[module.roots[called]], *calls, *inside.values()]:
                 if (line := where(inner.attrs)) != "?":
                     break
         return line
@@ -534,14 +535,17 @@ def registers_note(kernel: str, paths: list) -> str:
     how many of its programs a multiprocessor's registers hold (a warp's registers taken in 8s a thread):
     where that is 1, nothing overlaps one program's epilogue or softmax with another's MMAs. '' without
     ptxas or the kernel's PTX."""
+    def text(path):
+        with open(path) as f:
+            return f.read()
+
     ptxas = ptxas_binary()
-    path = next((p for p in paths if f".entry {kernel}(" in open(p).read()), None)
+    path = next((p for p in paths if f".entry {kernel}(" in text(p)), None)
     if not ptxas or not path:
         return ""
     out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
-    threads = re.search(r"\.reqntid (\d+)", open(path).read().split(f".entry {kernel}(")[1])
-    used = re.search(rf"Function properties for {kernel}\b.*?Used (\d+) registers", out.stderr, re.S) or \
-        re.search(r"Used (\d+) registers", out.stderr)
+    threads = re.search(r"\.(?:reqntid|maxntid) (\d+)", text(path).split(f".entry {kernel}(")[1])
+    used = re.search(rf"Function properties for {kernel}\b[^\n]*\n(?:[^\n]*\n)*?[^\n]*Used (\d+) registers", out.stderr)
     if not used or not threads:
         return ""
     regs, n = int(used[1]), int(threads[1])

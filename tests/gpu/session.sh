@@ -25,7 +25,7 @@
 #                          # past its case limit while compiling; 85 s before), each case's numbers kept
 #   OUT=$OUT/n BUDGET_S=170 tests/gpu/session.sh ncu
 #                          # call 3 if call 1 ran to its end (budget_left_s - 40 at most): the Pallas kernels'
-#                          # hardware counters, why attention runs at 13-17% of the tensor cores and mlp_up
+#                          # hardware counters, why attention runs at 11-17% of the tensor cores and mlp_up
 #                          # at half of cuBLAS's FP8 rate (the first ncu run of this code: if it fails at once,
 #                          # the call's rest goes to call 4)
 #   OUT=$OUT/x BUDGET_S=130 tests/gpu/session.sh short-pallas
@@ -81,7 +81,7 @@
 #                   ncu (NCU: its path) with --clock-control none, XLA's command buffers off, kernels
 #                   matching ^(attention_|mlp_), their first 20 launches: where each kernel's time goes
 #                   (speed of light, pipes, occupancy, warp stalls, instruction mix), which the profile's
-#                   times cannot say (attention at 13-17% of the tensor cores, mlp_up at about half of
+#                   times cannot say (attention at 11-17% of the tensor cores, mlp_up at about half of
 #                   cuBLAS's FP8 rate); the report in ncu.ncu-rep, its details page as text in
 #                   ncu-page.log                                                 (limit 240 s + 60 s)
 # The short runs read synthetic shards with FineWeb-like documents and vocabulary (data/synthetic.py
