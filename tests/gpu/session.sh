@@ -116,6 +116,8 @@ SWEEP_DEFAULT+=,up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x
 SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x128x64/8/3,dpre:128x256x32/8/4
 # the kernels' defaults (train_gpt.PALLAS_FWD, _DQ with _DKV, _MLP_UP, _MLP_DPRE; a test checks them)
 NCU_SWEEP=${NCU_SWEEP:-fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x256x64/8/3}
+# ncu: NCU, else on PATH, else the newest under /opt/nvidia/nsight-compute (the image's)
+NCU=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)}
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
 PIECES="lane short-xla short-pallas crash-xla crash-pallas short-record20 profile-xla profile-pallas bench sweep ncu"
