@@ -503,17 +503,19 @@ def mma_note(kernel: str, paths: list) -> str:
     return ", mma.sync: Ampere's tensor-core path, not Hopper's wgmma" if "mma.sync" in body else ", no MMA"
 
 
-def instruction_count(body: str) -> tuple:
-    """(instructions, ex2 among them) in a kernel's PTX (kernel_bodies'): its lines but directives, labels,
-    braces and comments, a predicated one (@%p1 bra ...) counted as its instruction; static, so a loop's
-    body counts once. For XLA's fused kernels, which call nothing: a call's continued lines would count
+def ptx_instruction(line: str) -> list:
+    """A PTX line's instruction as its words, its predicate (@%p1) dropped; [] for a directive, label,
+    brace or comment. For XLA's fused kernels, which call nothing: a call's continued lines would count
     as instructions, and Triton's inline assembly in braces not at all."""
-    ops = []
-    for line in body.split("\n")[1:]:  # after the .entry line
-        words = line.split("//")[0].split()
-        words = words[1:] if words and words[0].startswith("@") else words
-        if words and not words[0].startswith((".", "{", "}", "(", ")", "$")) and not words[0].endswith(":"):
-            ops.append(words[0])
+    words = line.split("//")[0].split()
+    words = words[1:] if words and words[0].startswith("@") else words
+    return words if words and not words[0].startswith((".", "{", "}", "(", ")", "$")) and not words[0].endswith(":") else []
+
+
+def instruction_count(body: str) -> tuple:
+    """(instructions, ex2 among them) in a kernel's PTX (kernel_bodies'), as ptx_instruction finds them after
+    the .entry line; static, so a loop's body counts once."""
+    ops = [words[0] for line in body.split("\n")[1:] if (words := ptx_instruction(line))]
     return len(ops), sum(op.startswith("ex2.") for op in ops)
 
 
@@ -540,11 +542,11 @@ def registers_note(kernel: str, paths: list) -> str:
             return f.read()
 
     ptxas = ptxas_binary()
-    path = next((p for p in paths if f".entry {kernel}(" in text(p)), None)
+    path, module = next(((p, m) for p in paths if f".entry {kernel}(" in (m := text(p))), (None, ""))
     if not ptxas or not path:
         return ""
     out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
-    threads = re.search(r"\.(?:reqntid|maxntid) (\d+)", text(path).split(f".entry {kernel}(")[1])
+    threads = re.search(r"\.(?:reqntid|maxntid) (\d+)", module.split(f".entry {kernel}(")[1])
     used = re.search(rf"Function properties for {kernel}\b[^\n]*\n(?:[^\n]*\n)*?[^\n]*Used (\d+) registers", out.stderr)
     if not used or not threads:
         return ""
@@ -560,14 +562,10 @@ def block_map(body: str) -> str:
     on each path: e.g. the attention kernels' steps with and without their mask."""
     blocks, label, ops, marks = [], "entry", 0, []
     for line in body.split("\n")[1:] + ["$end:"]:
-        words = line.split("//")[0].split()
-        if words and re.fullmatch(r"\$\w+:", words[0]):
+        if re.fullmatch(r"\$\w+:", line.strip()):
             blocks.append(f"{label} {ops}" + (f" ({', '.join(marks)})" if marks else ""))
-            label, ops, marks = words[0][:-1], 0, []
-            continue
-        if words and words[0].startswith("@"):
-            words = words[1:]
-        if words and not words[0].startswith((".", "{", "}", "(", ")", "$")) and not words[0].endswith(":"):
+            label, ops, marks = line.strip()[:-1], 0, []
+        elif words := ptx_instruction(line):
             ops += 1
             if words[0].startswith("bra"):
                 marks.append(f"{ops} to {words[-1].rstrip(';')}")
