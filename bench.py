@@ -276,7 +276,7 @@ def attention_kernel_rows(table, hp, impl, docs_T, windows, rng, repeats):
     """One attention implementation alone at each window of the stages: 6 heads on the chunk, and the
     paired layers' 3 heads on the doubled sequence at the short windows. Pallas: one compile, the
     window a runtime value; XLA: a compile per window, its loop as long as the window needs (a train
-    program's static count)."""
+    program's static count). Then layer 10's DC correction, added to its attention output."""
     T, H, K = len(docs_T), tg.NUM_HEADS, hp.head_dim
     attend = tg.ATTENTION[impl]
     scale = jnp.float32(0.1)
@@ -291,6 +291,14 @@ def attention_kernel_rows(table, hp, impl, docs_T, windows, rng, repeats):
                       (q, k, v, jnp.asarray(docs, jnp.int32)), 3, rng, repeats, windows=group, tokens=T,
                       flops=lambda w, docs=docs, heads=heads: 12 * K * heads * attention_pairs(docs, w),
                       note=lambda w, docs=docs: f"{attention_pairs(docs, w) / len(docs):.0f} keys/query")
+    # layer 10's DC correction (its own kernels with --attention pallas): its window is fixed, its inputs those
+    # of the attention plus the attention's output and the two head-mixing weights
+    y, q, k, v = (jnp.asarray(rng.standard_normal((T, H, K)), jnp.bfloat16) for _ in range(4))
+    w1, w2 = (jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16) for _ in range(2))
+    docs, pairs = jnp.asarray(docs_T, jnp.int32), attention_pairs(docs_T, tg.DC_WINDOW - 1)
+    time_part(table, f"DC correction {impl}", lambda *x: tg.ADD_DC_CORRECTION[impl](*x[:4], docs, *x[4:], scale),
+              (y, q, k, v, w1, w2), 6, rng, repeats, tokens=T, flops=12 * K * H * pairs,
+              note=f"{pairs / T:.0f} keys/query")
 
 
 def block_part_rows(table, hp, params, inputs_T, targets_T, rng, repeats):

@@ -682,12 +682,19 @@ def dc_correction(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
     return _unblocks(jnp.einsum("nhqk,nhkd->nhqd", cw, v2, preferred_element_type=F32))
 
 
+def add_dc_correction(y_TxHxK, q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
+    """y + dc_correction(...) in y's dtype, rounded once."""
+    correction = dc_correction(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale)
+    return (f32(y_TxHxK) + correction).astype(y_TxHxK.dtype)
+
+
 def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_TxHxK=None, xsa_alpha_TxH=None,
-              gate_TxH=None, dc_w=None, attend=None):
+              gate_TxH=None, dc_w=None, impl="xla"):
     """One attention sublayer of the reference's CausalSelfAttention on the normed input x.
     `a` holds the runtime schedule values: windows, rotary frequencies, softmax scale, docs, positions
-    (and in the XLA path's train programs the static max_diagonals: short, long); `attend` is
-    window_attention (XLA) or its fused Pallas twin."""
+    (and in the XLA path's train programs the static max_diagonals: short, long); `impl` (--attention)
+    picks window_attention and dc_correction (xla) or their fused Pallas twins (pallas)."""
+    attend = ATTENTION[impl]
     T, D = x_TxD.shape
     H, K = NUM_HEADS, D // NUM_HEADS
     paired = layer in PAIRED_LAYERS
@@ -709,7 +716,7 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
         y = attend(q, k, v, a["docs"], window, a["scale"], *bound)
     if dc_w is not None:
         w1 = rms_norm(f32(dc_w[0]), eps=1e-6).astype(BF16)  # normalised over the 6 heads
-        y = (f32(y) + dc_correction(q, k, v, a["docs"], w1, dc_w[1], a["scale"])).astype(BF16)
+        y = ADD_DC_CORRECTION[impl](y, q, k, v, a["docs"], w1, dc_w[1], a["scale"])
     if xsa_alpha_TxH is not None:  # gated XSA: remove the part of y along v, per token and head
         v32 = f32(v)
         along = jnp.sum(f32(y) * v32, -1, keepdims=True) / jnp.maximum(jnp.sum(v32 * v32, -1, keepdims=True), 1e-8)
@@ -946,7 +953,7 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
                 ve_gate = 2 * jax.nn.sigmoid(f32(linear(gate_in, p["ve_gate_bank"][VE_LAYERS.index(i)])))
                 aux_v = (ve_gate[..., None] * f32(ve_i.reshape(T, H, K))).astype(BF16)
             y = attention(attn_in, *attn_w[i], sa_lambdas[i], a, i, aux_v, xsa.get(i), gates.get(i),
-                          dc_w if i == DC_LAYER else None, ATTENTION[attention_impl])
+                          dc_w if i == DC_LAYER else None, attention_impl)
             if mu is not None:
                 x = (m[8] * f32(x) + m[9] * f32(y) + m[10] * f32(cache[0])).astype(BF16)
                 x = inject(x, mu[:, 11:12])
@@ -1613,7 +1620,7 @@ def _pallas_specs(T, K):
             pl.BlockSpec((None, BLOCK), lambda n, h: (h, n)), pl.BlockSpec((None, T), lambda n, h: (h, 0)))
 
 
-def _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
+def _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale, name="pallas_window_attention"):
     T, H, K = q_TxHxK.shape
     problems = []
     if k_TxHxK.shape != q_TxHxK.shape or v_TxHxK.shape != q_TxHxK.shape:
@@ -1627,7 +1634,7 @@ def _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, window, scale):
     if np.shape(window) != () or np.shape(scale) != ():
         problems.append(f"window shape {np.shape(window)}, scale shape {np.shape(scale)}: pass scalars")
     if problems:
-        raise ValueError("pallas_window_attention: " + "; ".join(problems))
+        raise ValueError(f"{name}: " + "; ".join(problems))
     return T, H, K
 
 
@@ -1688,6 +1695,175 @@ pallas_window_attention.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 # Triton lowering (the record's four programs lower for an H100 in 15 s instead of 25); XLA inlines the
 # call (on CPU the same bits; the H100 program's static cost estimate unchanged)
 ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)}
+
+
+# --- the DC correction as fused Pallas kernels (--attention pallas) -------------------------------
+# dc_correction's result and gradients without its (T, H, 2·BLOCK) fp32 arrays of scores and probabilities
+# (tests/gpu/aot.py, the record's last stage: 83 GB a step, 28 ms of floors, for layer 10 alone), as the
+# reference's DC kernels do: a program takes DC_ROWS queries (forward, dq) or keys (dk/dv), whose
+# DC_WINDOW-token windows fit one BLOCK of keys (queries), all heads at once, since the mix a = Σ_g w1_g·p_g
+# spans the heads. The same precision as the reference's kernels: fp32 scores and probabilities,
+# c_h = bf16(w2_h·a), fp32 sums; in the backward dc_h = dout_h·v_h in fp32 and ds rounded to bf16 before its
+# products (XLA's path, autodiff, rounds dc_h instead and ds·scale: within the tests' tolerances).
+DC_ROWS = BLOCK - DC_WINDOW  # 16
+PALLAS_DC = KernelTuning(tile=DC_ROWS, num_warps=4, num_stages=1)  # tile: DC_ROWS; no loop to pipeline
+
+
+def _dc_probs(q_ref, k_ref, rows, keys, g, scale_log2, lse_log2, visible):
+    """Head g's probabilities of queries `rows` over keys `keys` (rows x keys, fp32) from its log-sum-exp
+    (log2 units, per row), or keys x rows from k first."""
+    s = _dot_nt(q_ref[rows, g, :], k_ref[keys, g, :]) * scale_log2
+    return jnp.where(visible, jnp.exp2(s - lse_log2), 0.0)
+
+
+def _over_heads(H, body, init):
+    """A loop over the heads, not unrolled: each trip loads its head's tiles when it needs them (unrolled,
+    the loads of all six ran ahead and spilled registers: tests/gpu/aot.py's ptxas notes)."""
+    return jax.lax.fori_loop(0, H, body, init)
+
+
+def _dc_fwd_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, y_ref, out_ref, lse_ref):
+    t0 = pl.program_id(0) * DC_ROWS
+    k0 = pl.multiple_of(jnp.maximum(t0 + DC_ROWS - BLOCK, 0), DC_ROWS)  # keys t0 - 112 .. t0 + 15 (from 0)
+    rows, keys = pl.ds(pl.multiple_of(t0, DC_ROWS), DC_ROWS), pl.ds(k0, BLOCK)
+    visible = _visible((t0 + jnp.arange(DC_ROWS))[:, None], docs_ref[rows][:, None], (k0 + jnp.arange(BLOCK))[None, :],
+                       docs_ref[keys][None, :], DC_WINDOW - 1)
+    scale_log2 = scale_ref[0] * LOG2_E
+
+    def mix(g, a):  # a = Σ_g w1_g·p_g; each row sees itself: its max is finite and its sum >= 1
+        s = jnp.where(visible, _dot_nt(q_ref[rows, g, :], k_ref[keys, g, :]) * scale_log2, MASK_VALUE)
+        m = s.max(axis=1)
+        p = jnp.exp2(s - m[:, None])
+        total = p.sum(axis=1)
+        lse_ref[g, rows] = m + jnp.log2(total)  # log2 units
+        return a + f32(w1_ref[g, rows])[:, None] * (p / total[:, None])
+
+    def correct(h, a):
+        c = (f32(w2_ref[h, rows])[:, None] * a).astype(v_ref.dtype)
+        out_ref[rows, h, :] = (f32(y_ref[rows, h, :]) + _dot_nn(c, v_ref[keys, h, :])).astype(out_ref.dtype)
+        return a
+
+    H = q_ref.shape[1]
+    _over_heads(H, correct, _over_heads(H, mix, jnp.zeros((DC_ROWS, BLOCK), F32)))
+
+
+def _dc_dq_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, lse_ref, dout_ref,
+                  dq_ref, dw1_ref, dw2_ref, soft_ref):
+    t0 = pl.program_id(0) * DC_ROWS
+    k0 = pl.multiple_of(jnp.maximum(t0 + DC_ROWS - BLOCK, 0), DC_ROWS)
+    rows, keys = pl.ds(pl.multiple_of(t0, DC_ROWS), DC_ROWS), pl.ds(k0, BLOCK)
+    visible = _visible((t0 + jnp.arange(DC_ROWS))[:, None], docs_ref[rows][:, None], (k0 + jnp.arange(BLOCK))[None, :],
+                       docs_ref[keys][None, :], DC_WINDOW - 1)
+    scale = scale_ref[0]
+    probs = lambda g: _dc_probs(q_ref, k_ref, rows, keys, g, scale * LOG2_E, lse_ref[g, rows][:, None], visible)  # noqa: E731
+
+    def mix(g, a):
+        return a + f32(w1_ref[g, rows])[:, None] * probs(g)
+
+    def mix_grad(h, carry):  # dc_h = dout_h·v_hᵀ; c_h = bf16(w2_h·a) passes it on to a as w2_h·dc_h
+        a, da = carry
+        dc = _dot_nt(dout_ref[rows, h, :], v_ref[keys, h, :])
+        dw2_ref[h, rows] = jnp.sum(dc * a, axis=1).astype(dw2_ref.dtype)
+        return a, da + f32(w2_ref[h, rows])[:, None] * dc
+
+    def probs_grad(g, da):  # p_g = softmax(s_g) gets w1_g·da: ds_g = p_g·(w1_g·da - w1_g·Σ p_g·da)
+        p, w1 = probs(g), f32(w1_ref[g, rows])
+        dw1 = jnp.sum(p * da, axis=1)
+        dw1_ref[g, rows] = dw1.astype(dw1_ref.dtype)
+        soft_ref[g, rows] = w1 * dw1
+        ds = p * (w1[:, None] * da - (w1 * dw1)[:, None])
+        dq_ref[rows, g, :] = (_dot_nn(ds.astype(k_ref.dtype), k_ref[keys, g, :]) * scale).astype(dq_ref.dtype)
+        return da
+
+    H, zeros = q_ref.shape[1], jnp.zeros((DC_ROWS, BLOCK), F32)
+    _, da = _over_heads(H, mix_grad, (_over_heads(H, mix, zeros), zeros))
+    _over_heads(H, probs_grad, da)
+
+
+def _dc_dkv_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, lse_ref, dout_ref, soft_ref,
+                   dk_ref, dv_ref):
+    # keys j0 .. j0 + 15 and the BLOCK queries from j0 (the sequence's last BLOCK at its end), keys x queries
+    j0 = pl.program_id(0) * DC_ROWS
+    q0 = pl.multiple_of(jnp.minimum(j0, q_ref.shape[0] - BLOCK), DC_ROWS)
+    keys, rows = pl.ds(pl.multiple_of(j0, DC_ROWS), DC_ROWS), pl.ds(q0, BLOCK)
+    visible = _visible((q0 + jnp.arange(BLOCK))[None, :], docs_ref[rows][None, :], (j0 + jnp.arange(DC_ROWS))[:, None],
+                       docs_ref[keys][:, None], DC_WINDOW - 1)
+    scale = scale_ref[0]
+    probs = lambda g: _dc_probs(k_ref, q_ref, keys, rows, g, scale * LOG2_E, lse_ref[g, rows][None, :], visible)  # noqa: E731
+
+    def mix(g, a):
+        return a + f32(w1_ref[g, rows])[None, :] * probs(g)
+
+    def mix_grad(h, carry):
+        a, da = carry
+        w2, dout = f32(w2_ref[h, rows])[None, :], dout_ref[rows, h, :]
+        dv_ref[keys, h, :] = _dot_nn((w2 * a).astype(dout.dtype), dout).astype(dv_ref.dtype)
+        return a, da + w2 * _dot_nt(v_ref[keys, h, :], dout)
+
+    def probs_grad(g, da):
+        ds = probs(g) * (f32(w1_ref[g, rows])[None, :] * da - soft_ref[g, rows][None, :])
+        dk_ref[keys, g, :] = (_dot_nn(ds.astype(q_ref.dtype), q_ref[rows, g, :]) * scale).astype(dk_ref.dtype)
+        return da
+
+    H, zeros = q_ref.shape[1], jnp.zeros((DC_ROWS, BLOCK), F32)
+    _, da = _over_heads(H, mix_grad, (_over_heads(H, mix, zeros), zeros))
+    _over_heads(H, probs_grad, da)
+
+
+def _dc_call(kernel, name, T, args, out_shape):
+    """A DC kernel over T / DC_ROWS programs, every operand and result whole (the kernels slice them)."""
+    whole = lambda x: pl.BlockSpec(x.shape, lambda n: (0,) * len(x.shape))  # noqa: E731
+    call = _pallas(kernel, PALLAS_DC, name, grid=(T // DC_ROWS,), out_shape=out_shape,
+                   in_specs=[whole(x) for x in args], out_specs=jax.tree.map(whole, out_shape))
+    return call(*args)
+
+
+def _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, y_TxHxK=None):
+    """The kernels' shared operands: scale as a one-element array, the head weights head-major."""
+    name = "pallas_add_dc_correction"
+    T, H, K = _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, 0, scale, name)
+    if w1_TxH.shape != (T, H) or w2_TxH.shape != (T, H):
+        raise ValueError(f"{name}: w1, w2 shapes {w1_TxH.shape}, {w2_TxH.shape}: pass ({T}, {H}) each")
+    if y_TxHxK is not None and y_TxHxK.shape != q_TxHxK.shape:
+        raise ValueError(f"{name}: y shape {y_TxHxK.shape}: pass q's, {q_TxHxK.shape}")
+    return (jnp.asarray(scale, F32).reshape(1), docs_T.astype(jnp.int32), q_TxHxK, k_TxHxK, v_TxHxK, w1_TxH.T, w2_TxH.T)
+
+
+def _pallas_dc_forward(y_TxHxK, *inputs):
+    args = _dc_args(*inputs, y_TxHxK)
+    T, H, K = y_TxHxK.shape
+    return _dc_call(_dc_fwd_kernel, "dc_fwd", T, (*args, y_TxHxK),
+                    (jax.ShapeDtypeStruct.like(y_TxHxK), jax.ShapeDtypeStruct((H, T), F32)))
+
+
+@jax.custom_vjp
+def pallas_add_dc_correction(y_TxHxK, q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
+    """add_dc_correction as Pallas kernels (same arguments, result and gradients; scale gets a zero
+    cotangent): y's dtype, the sum rounded once, as the reference's kernel adds its correction to y."""
+    return _pallas_dc_forward(y_TxHxK, q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale)[0]
+
+
+def _pallas_dc_vjp_fwd(y_TxHxK, *inputs):
+    out, lse_HxT = _pallas_dc_forward(y_TxHxK, *inputs)
+    return out, (inputs, lse_HxT)
+
+
+def _pallas_dc_vjp_bwd(res, dout_TxHxK):
+    inputs, lse_HxT = res
+    q, k, v, _, w1_TxH, w2_TxH, scale = inputs
+    args = _dc_args(*inputs)
+    T, H, K = q.shape
+    like, heads = jax.ShapeDtypeStruct.like, jax.ShapeDtypeStruct((H, T), w1_TxH.dtype)
+    dq, dw1, dw2, soft = _dc_call(_dc_dq_kernel, "dc_dq", T, (*args, lse_HxT, dout_TxHxK),
+                                  (like(q), heads, heads, jax.ShapeDtypeStruct((H, T), F32)))
+    dk, dv = _dc_call(_dc_dkv_kernel, "dc_dkv", T, (*args, lse_HxT, dout_TxHxK, soft), (like(k), like(v)))
+    return dout_TxHxK, dq, dk, dv, None, dw1.T, dw2.T, jnp.zeros_like(scale)
+
+
+pallas_add_dc_correction.defvjp(_pallas_dc_vjp_fwd, _pallas_dc_vjp_bwd)
+
+# --attention's DC correction (layer 10), jitted as ATTENTION's Pallas kernels
+ADD_DC_CORRECTION = {"xla": add_dc_correction, "pallas": jax.jit(pallas_add_dc_correction)}
 
 
 # --- GEMMs with their epilogues as fused Pallas kernels, and the head's passes (Triton on GPUs) ---------

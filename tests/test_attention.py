@@ -212,6 +212,100 @@ def test_kernels_lower_to_triton_for_cuda_at_the_record_shapes(T, H):
     assert "stablehlo.while" not in text  # no interpret-mode kernel slipped in
 
 
+# --- the DC correction's kernels (layer 10; --attention pallas) ---------------------------------------
+
+
+def bf16_f64(x):
+    """x rounded to bf16 (to nearest even), as float64."""
+    import ml_dtypes
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def dc_oracle_f64(y, q, k, v, docs, w1, w2, scale, dout):
+    """float64, dense, with the reference's DC kernels' roundings: out = bf16(y + Σ_j c_h·v_h) with
+    c_h = bf16(w2_h·Σ_g w1_g·p_g) (passing its gradient unrounded); the backward's dc_h = dout_h·v_h
+    unrounded and ds_g rounded to bf16 before its products; the gradients of sum(out·dout) in bf16. The
+    rule as a T x T mask: key j of query i iff 0 <= i - j < DC_WINDOW and docs[i] == docs[j]."""
+    y, q, k, v, w1, w2, dout = (np.asarray(jnp.asarray(x, F32), np.float64) for x in (y, q, k, v, w1, w2, dout))
+    i = np.arange(q.shape[0])
+    distance = i[:, None] - i[None, :]
+    allowed = (distance >= 0) & (distance < m.DC_WINDOW) & (docs[:, None] == docs[None, :])
+    s = np.where(allowed, np.einsum("ihd,jhd->hij", q, k) * scale, -np.inf)  # H x T x T
+    e = np.exp(s - s.max(-1, keepdims=True))
+    p = e / e.sum(-1, keepdims=True)
+    a = np.einsum("ig,gij->ij", w1, p)
+    c = bf16_f64(w2.T[:, :, None] * a[None])
+    out = y + np.einsum("hij,jhd->ihd", c, v)
+    dc = np.einsum("ihd,jhd->hij", dout, v)
+    da = np.einsum("ih,hij->ij", w2, dc)
+    dp = w1.T[:, :, None] * da[None]
+    ds = bf16_f64(p * (dp - np.sum(p * dp, -1, keepdims=True)))
+    grads = (dout, np.einsum("hij,jhd->ihd", ds, k) * scale, np.einsum("hij,ihd->jhd", ds, q) * scale,
+             np.einsum("hij,ihd->jhd", c, dout), np.einsum("gij,ij->ig", p, da), np.einsum("hij,ij->ih", dc, a))
+    return [bf16_f64(x) for x in (out, *grads)]
+
+
+def dc_everything(add_correction):
+    """jit of (y, q, k, v, docs, w1, w2, scale, dout) -> (out, dy, dq, dk, dv, dw1, dw2, dscale)."""
+    def run(y, q, k, v, docs, w1, w2, scale, dout):
+        out, vjp = jax.vjp(lambda y, q, k, v, w1, w2, scale: add_correction(y, q, k, v, docs, w1, w2, scale),
+                           y, q, k, v, w1, w2, scale)
+        return out, *vjp(dout)
+    return jax.jit(run)
+
+
+def test_dc_kernels_round_as_the_reference_and_match_the_xla_path():
+    """pallas_add_dc_correction against float64 with the reference kernels' roundings (in units of 2^-8 of
+    a value, floored at 2^-12 of the largest), and against add_dc_correction, the XLA path, whose autodiff
+    also rounds dc_h and ds·scale to bf16 (4-6 units from float64 on CPU; the Pallas kernels 1.6 at most).
+    384 tokens: the first 7 programs' keys start at 0, the dk/dv kernel's last 7 take the last 128 queries.
+    Documents of mean length 60 (boundaries bind) and 400 (the 112-token window binds); q x 3: peaked rows,
+    where one key too many or too few moves a value by much of itself."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    T, H = 384, 6
+    q, k, v, y = (jnp.asarray(rng.standard_normal((T, H, K)) * s, BF16) for s in (3, 1, 1, 1))
+    w1, w2 = (jnp.asarray(rng.standard_normal((T, H)), BF16) for _ in range(2))
+    dout = jnp.asarray(rng.standard_normal((T, H, K)), BF16)
+    scale = np.float32(rng.uniform(0.1, 0.2))
+    ulps = lambda got, want: float(np.max(np.abs(got - want) / (2.0**-8 * np.abs(want) + 2.0**-12 * np.abs(want).max())))  # noqa: E731,E501
+    pallas, xla = dc_everything(m.pallas_add_dc_correction), dc_everything(m.add_dc_correction)
+    for mean_length in (60, 400):
+        docs = random_docs(rng, T, mean_length)
+        args = (y, q, k, v, jnp.asarray(docs), w1, w2, jnp.float32(scale), dout)
+        ours, theirs = pallas(*args), xla(*args)
+        want = dc_oracle_f64(y, q, k, v, docs, w1, w2, scale, dout)
+        assert float(ours[-1]) == 0.0  # the scale gets a zero cotangent
+        for name, o, x, r, like in zip(("out", "dy", "dq", "dk", "dv", "dw1", "dw2"), ours, theirs, want,
+                                       (y, y, q, k, v, w1, w2)):
+            assert o.dtype == like.dtype and o.shape == like.shape, name
+            o, x = np.asarray(o, np.float64), np.asarray(x, np.float64)
+            apart = np.mean(np.abs(o - r) > 2.0**-12 * np.abs(r).max())  # (a document's first query: dq 0 or 1e-8)
+            assert ulps(o, r) <= 2 and apart <= 0.02, (name, mean_length, ulps(o, r), apart, seed)
+            assert ulps(x, r) <= 8, (name, mean_length, ulps(x, r), seed)
+
+
+def test_dc_kernels_lower_to_triton_for_cuda_at_the_record_shape():
+    T, H = 49152, 6
+    x, w = jax.ShapeDtypeStruct((T, H, 128), BF16), jax.ShapeDtypeStruct((T, H), BF16)
+    docs, scale = jax.ShapeDtypeStruct((T,), jnp.int32), jax.ShapeDtypeStruct((), F32)
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+
+    def loss(y, q, k, v, docs, w1, w2, scale):
+        return jnp.sum(m.pallas_add_dc_correction(y, q, k, v, docs, w1, w2, scale).astype(F32))
+
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 5, 6))).trace(x, x, x, x, docs, w, w, scale).lower(
+            lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("@__gpu$xla.gpu.triton(") == 3
+    for name in ("fwd", "dq", "dkv"):
+        assert (f'name = "dc_{name}", num_stages = {m.PALLAS_DC.num_stages} : i32, '
+                f"num_warps = {m.PALLAS_DC.num_warps} : i32") in text
+    assert text.count(f"grid_x = {T // m.DC_ROWS} : i32, grid_y = 1 : i32") == 3
+    assert "stablehlo.while" not in text
+
+
 def test_rejects_bad_shapes_and_tiles():
     q = jnp.zeros((200, 2, K), BF16)
     with pytest.raises(ValueError, match="not a multiple of 128"):
@@ -223,3 +317,8 @@ def test_rejects_bad_shapes_and_tiles():
         m.pallas_window_attention(q, q, q, jnp.zeros(256, jnp.int32), jnp.zeros(2, jnp.int32), 0.1)
     with pytest.raises(ValueError, match="tile 48"):
         m.KernelTuning(tile=48, num_warps=4, num_stages=2)
+    w = jnp.zeros((256, 2), BF16)
+    with pytest.raises(ValueError, match=r"pallas_add_dc_correction: w1, w2 shapes \(256, 2\), \(256, 3\)"):
+        m.pallas_add_dc_correction(q, q, q, q, jnp.zeros(256, jnp.int32), w, jnp.zeros((256, 3), BF16), 0.1)
+    with pytest.raises(ValueError, match=r"y shape \(128, 2, 32\)"):
+        m.pallas_add_dc_correction(q[:128], q, q, q, jnp.zeros(256, jnp.int32), w, w, 0.1)

@@ -632,6 +632,7 @@ def test_the_suite_runs_on_cpu_and_reports_every_field(request, tmp_path):
     for impl in tg.ATTENTION:
         expected += [f"attention {impl} W={w}" for w in sorted({w for pair in windows for w in pair})]
         expected += [f"attention {impl} paired W={w}" for w in sorted({s for s, _ in windows})]
+        expected.append(f"DC correction {impl}")
     assert set(expected) <= set(rows), set(expected) - set(rows)
     for name, row in rows.items():
         assert set(row) == ROW_FIELDS, name

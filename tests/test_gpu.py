@@ -19,6 +19,8 @@ tail and leaves the others running:
   mlp T                    the FP8 MLP's Pallas kernels (--mlp pallas) at T tokens of the record's
                            width against float64 on sampled rows, and the whole MLP against --mlp xla
   head T                   the FP8 head with --head pallas against --head xla at T tokens: losses, gradients
+  dc T                     layer 10's DC correction with --attention pallas against the XLA path at T
+                           tokens: the output and every gradient
 
 e.g. `python tests/test_gpu.py attention xla 2560 49152 6`; the last line printed is `RESULT {json}`.
 Bisecting a crash: the children inherit the environment, so XLA_FLAGS (`--xla_dump_to=DIR`,
@@ -1490,6 +1492,44 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
 
 
 @lane
+def test_dc_kernels_match_the_xla_path():
+    result = run_case("dc", ATTENTION_T)
+    print(result)
+    # on CPU (tests/test_attention.py) the kernels are within 2 units of 2^-8 of float64 with the reference's
+    # roundings, the XLA path's autodiff within 8 (it also rounds dc_h and ds·scale): in norm 1e-4 of out and
+    # 4e-3 of a gradient apart; a GPU's exp2 and exp differ by a few fp32 ulps more
+    assert result["out_vs_xla"] <= 2.0**-8, result
+    for name in ("dy", "dq", "dk", "dv", "dw1", "dw2"):
+        assert result[f"{name}_vs_xla"] <= 2.0**-7, result
+
+
+def case_dc(T: int) -> dict:
+    """add_dc_correction (layer 10's DC correction added to its attention output) with --attention pallas
+    against the XLA path at T tokens, 6 heads of 128, documents of ~1,000 tokens: the output and the
+    gradients of all six inputs, each as the norm of the difference over the XLA path's."""
+    import train_gpt as tg
+
+    H, K = 6, 128
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    docs = jnp.asarray(np.cumsum(rng.random(T) < 1 / 1000), jnp.int32)
+    y, q, k, v, dout = (jnp.asarray(rng.standard_normal((T, H, K)), jnp.bfloat16) for _ in range(5))
+    w1, w2 = (jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16) for _ in range(2))
+
+    def run(impl):
+        @partial(jax.jit, compiler_options=tg.COMPILER_OPTIONS)
+        def f(y, q, k, v, w1, w2, dout):
+            out, vjp = jax.vjp(lambda *x: tg.ADD_DC_CORRECTION[impl](*x[:4], docs, *x[4:], jnp.float32(0.12)),
+                               y, q, k, v, w1, w2)
+            return out, *vjp(dout)
+        return [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in f(y, q, k, v, w1, w2, dout)]
+
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
+    names = ["out", "dy", "dq", "dk", "dv", "dw1", "dw2"]
+    return {"T": T, "seed": seed, **{f"{n}_vs_xla": rel(a, b) for n, a, b in zip(names, run("pallas"), run("xla"))}}
+
+
+@lane
 def test_mlp_kernels_match_float64_and_the_xla_path():
     result = run_case("mlp", ATTENTION_T)
     print(result)
@@ -1893,7 +1933,7 @@ def test_compile_only_script_says_how_to_install_the_cuda_plugin_it_needs():
 
 CASES = {"train": (case_train, (str, int, str)), "hlo": (case_hlo, (str, int, str, str)),
          "attention": (case_attention, (str, int, int, int)), "mlp": (case_mlp, (int,)),
-         "head": (case_head, (int,))}
+         "head": (case_head, (int,)), "dc": (case_dc, (int,))}
 
 if __name__ == "__main__":
     name, *values = sys.argv[1:]

@@ -18,11 +18,14 @@
 #                          # was written out of bounds at 49,152-row chunks (the loss NaN at step 20, an H200,
 #                          # 2026-11-27; i64 offsets since, not yet run on a GPU): it must reach its end (val_loss
 #                          # near 1.3234, XLA's head's), and head_grad is profiled against its 19.8 ms a step;
-#                          # on an H100 the goal's measurement too (490K tokens/s; none has ended yet)
+#                          # on an H100 the goal's measurement too (490K tokens/s; none has ended yet); the
+#                          # first run of the DC correction's Pallas kernels too (2026-11-28; a fault there: the
+#                          # lane's dc case, fault.py names dc_fwd, dc_dq or dc_dkv)
 #   OUT=$OUT/l BUDGET_S=260 tests/gpu/session.sh lane
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40): the lane, its
 #                          # head case the one that faulted (over 175 s on an H200 on 2026-11-27, its train case
-#                          # past its case limit while compiling; 85 s before), each case's numbers kept
+#                          # past its case limit while compiling; 85 s before), each case's numbers kept; its dc
+#                          # case the DC correction's kernels against the XLA path
 #   OUT=$OUT/n BUDGET_S=170 tests/gpu/session.sh ncu
 #                          # call 3 if call 1 ran to its end (budget_left_s - 40 at most): the Pallas kernels'
 #                          # hardware counters, why attention runs at 11-17% of the tensor cores and mlp_up
