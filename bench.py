@@ -868,12 +868,12 @@ def report_lines(result: dict, table: Table) -> list:
 # The Pallas kernels' tuning sweep: one row per configuration
 
 
-ATTENTION_KERNELS, GEMM_KERNELS = ("fwd", "dq", "dkv"), ("up", "dpre")
+ATTENTION_KERNELS, GEMM_KERNELS, DC_KERNELS = ("fwd", "dq", "dkv"), ("up", "dpre"), ("dc",)
 
 
 def parse_sweep(text: str) -> list:
-    """"fwd:128/8/2,dq:64/8/3,up:128x256x128/8/3,..." -> [(kernel, KernelTuning or GemmTuning)]; raises
-    ValueError naming the bad item."""
+    """"fwd:128/8/2,dq:64/8/3,up:128x256x128/8/3,dc:16/4/1,..." -> [(kernel, KernelTuning or GemmTuning)];
+    raises ValueError naming the bad item."""
     configs = []
     for item in text.split(","):
         try:
@@ -882,7 +882,7 @@ def parse_sweep(text: str) -> list:
             warps, stages = int(warps), int(stages)
             if warps < 1 or stages < 1:
                 raise ValueError
-            if kernel in ATTENTION_KERNELS:
+            if kernel in ATTENTION_KERNELS or kernel in DC_KERNELS and int(tile) == tg.DC_ROWS:
                 configs.append((kernel, tg.KernelTuning(int(tile), warps, stages)))
             elif kernel in GEMM_KERNELS:
                 rows, cols, depth = (int(v) for v in tile.split("x"))
@@ -893,9 +893,10 @@ def parse_sweep(text: str) -> list:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--sweep item {item!r}: write KERNEL:TILE/WARPS/STAGES with KERNEL fwd, dq or dkv "
-                             f"(attention; TILE 16, 32, 64 or 128, e.g. fwd:128/8/2) or up or dpre (the MLP's "
+                             f"(attention; TILE 16, 32, 64 or 128, e.g. fwd:128/8/2), up or dpre (the MLP's "
                              f"GEMMs; TILE ROWSxCOLSxDEPTH, powers of two from 16, e.g. "
-                             f"up:128x256x128/8/3)") from None
+                             f"up:128x256x128/8/3) or dc (the DC correction's three kernels; TILE {tg.DC_ROWS}, "
+                             f"its queries a program, e.g. dc:{tg.DC_ROWS}/4/1)") from None
         if configs[-1] in configs[:-1]:
             raise ValueError(f"--sweep item {item!r} is listed twice: its row would hide the other")
     return configs
@@ -922,8 +923,8 @@ def gemm_sweep_inputs(rng, hp, T):
 def sweep_rows(table, hp, configs, repeats, rounds):
     """Each configuration's kernel at the last stage's chunk (6 heads), at its short and long window:
     fwd alone for the forward kernel; the backward (dq and dk/dv kernels, the other at its default)
-    for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width.
-    Everything compiles first; then `rounds` rounds each time every measurement once
+    for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width; dc, the DC
+    correction's forward and backward kernels, on the chunk. Everything compiles first; then `rounds` rounds each time every measurement once
     (`repeats` calls, their median), so that a drift of the device's clocks reaches every row alike: a
     row is the median of its rounds, the rounds' times go in its note. Returns (errors, {row: ms per
     round}); a configuration that fails to compile or run is reported and the others go on."""
@@ -952,6 +953,18 @@ def sweep_rows(table, hp, configs, repeats, rounds):
                 compiled, compile_s = compile_timed(jax.jit(lambda *a, f=kernel_fn, t=tuning: f(*a, tuning=t)), *args)
                 rows.append((name, compiled, args, dict(tokens=len(args[0]), flops=flops, compile_s=compile_s,
                                                         note=notes[kernel])))
+                continue
+            if kernel in DC_KERNELS:  # forward then backward, as a train step runs them
+                w1, w2 = (jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16) for _ in range(2))
+
+                def dc(y, q, k, v, docs, w1, w2, dout, t=tuning):
+                    out, lse = tg._pallas_dc_forward(y, q, k, v, docs, w1, w2, scale, tuning=t)
+                    return out, tg._pallas_dc_backward(q, k, v, docs, w1, w2, scale, lse, dout, tuning=t)
+
+                args = (dout, q, k, v, docs, w1, w2, dout)
+                compiled, compile_s = compile_timed(jax.jit(dc), *args)
+                rows.append((name, compiled, args, dict(tokens=T, flops=12 * K * H * attention_pairs(docs_T, tg.DC_WINDOW - 1),
+                                                        compile_s=compile_s, note="DC correction: forward + backward")))
                 continue
             # the arrays are arguments, not constants baked into the program
             if kernel == "fwd":
@@ -1034,7 +1047,8 @@ def parse_args(argv=None):
     mode.add_argument("--sweep", metavar="CONFIGS", help="the Pallas kernels' tuning: KERNEL:TILE/WARPS/STAGES items, "
                       "comma-separated: attention KERNEL fwd, dq or dkv, TILE 16-128, each timed at the last stage's "
                       "windows; the MLP's GEMM kernels' KERNEL up or dpre, TILE ROWSxCOLSxDEPTH, timed on "
-                      "the last stage's chunk; e.g. fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x128x64/4/4")
+                      "the last stage's chunk; the DC correction's kernels' KERNEL dc, TILE 16, forward and backward "
+                      "on the chunk; e.g. fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x128x64/4/4,dc:16/4/1")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: record on a GPU, tiny elsewhere; smoke: the quickest check that the suite runs")
     parser.add_argument("--attention", default="auto", choices=["auto", *sorted(tg.ATTENTION)],

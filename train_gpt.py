@@ -1702,9 +1702,10 @@ ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)
 # (tests/gpu/aot.py, the record's last stage: 83 GB a step, 28 ms of floors, for layer 10 alone), as the
 # reference's DC kernels do: a program takes DC_ROWS queries (forward, dq) or keys (dk/dv), whose
 # DC_WINDOW-token windows fit one BLOCK of keys (queries), all heads at once, since the mix a = Σ_g w1_g·p_g
-# spans the heads. The same precision as the reference's kernels: fp32 scores and probabilities,
-# c_h = bf16(w2_h·a), fp32 sums; in the backward dc_h = dout_h·v_h in fp32 and ds rounded to bf16 before its
-# products (XLA's path, autodiff, rounds dc_h instead and ds·scale: within the tests' tolerances).
+# spans the heads. The reference's kernels' precision: fp32 scores and probabilities, c_h = bf16(w2_h·a), fp32
+# sums; in the backward dc_h = dout_h·v_h in fp32 and ds rounded to bf16 before its products (XLA's path,
+# autodiff, rounds dc_h and ds·scale instead). dk and dv are summed in fp32 and rounded once, where the
+# reference's programs add their parts into bf16 arrays with atomics (in any order).
 DC_ROWS = BLOCK - DC_WINDOW  # 16
 PALLAS_DC = KernelTuning(tile=DC_ROWS, num_warps=4, num_stages=1)  # tile: DC_ROWS; no loop to pipeline
 
@@ -1810,16 +1811,17 @@ def _dc_dkv_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, lse
     _over_heads(H, probs_grad, da)
 
 
-def _dc_call(kernel, name, T, args, out_shape):
+def _dc_call(kernel, name, tuning, args, out_shape):
     """A DC kernel over T / DC_ROWS programs, every operand and result whole (the kernels slice them)."""
     whole = lambda x: pl.BlockSpec(x.shape, lambda n: (0,) * len(x.shape))  # noqa: E731
-    call = _pallas(kernel, PALLAS_DC, name, grid=(T // DC_ROWS,), out_shape=out_shape,
+    T = args[1].shape[0]  # _dc_args's docs
+    call = _pallas(kernel, tuning, name, grid=(T // DC_ROWS,), out_shape=out_shape,
                    in_specs=[whole(x) for x in args], out_specs=jax.tree.map(whole, out_shape))
     return call(*args)
 
 
 def _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, y_TxHxK=None):
-    """The kernels' shared operands: scale as a one-element array, the head weights head-major."""
+    """The kernels' shared operands: scale as a one-element array, docs, q, k, v, the head weights head-major."""
     name = "pallas_add_dc_correction"
     T, H, K = _check_pallas_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, 0, scale, name)
     if w1_TxH.shape != (T, H) or w2_TxH.shape != (T, H):
@@ -1829,11 +1831,25 @@ def _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, y_TxHxK=N
     return (jnp.asarray(scale, F32).reshape(1), docs_T.astype(jnp.int32), q_TxHxK, k_TxHxK, v_TxHxK, w1_TxH.T, w2_TxH.T)
 
 
-def _pallas_dc_forward(y_TxHxK, *inputs):
-    args = _dc_args(*inputs, y_TxHxK)
+def _pallas_dc_forward(y_TxHxK, q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, tuning=PALLAS_DC):
+    """(y + the correction in y's dtype, each head's log-sum-exp (H, T) in log2 units)."""
+    args = _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, y_TxHxK)
     T, H, K = y_TxHxK.shape
-    return _dc_call(_dc_fwd_kernel, "dc_fwd", T, (*args, y_TxHxK),
+    return _dc_call(_dc_fwd_kernel, "dc_fwd", tuning, (*args, y_TxHxK),
                     (jax.ShapeDtypeStruct.like(y_TxHxK), jax.ShapeDtypeStruct((H, T), F32)))
+
+
+def _pallas_dc_backward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, lse_HxT, dout_TxHxK,
+                        tuning=PALLAS_DC):
+    """(dq, dk, dv, dw1, dw2) of the correction from the saved log-sum-exp; dout in bf16."""
+    args = _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale)
+    T, H, K = q_TxHxK.shape
+    like, heads = jax.ShapeDtypeStruct.like, lambda dtype: jax.ShapeDtypeStruct((H, T), dtype)  # noqa: E731
+    dq, dw1, dw2, soft = _dc_call(_dc_dq_kernel, "dc_dq", tuning, (*args, lse_HxT, dout_TxHxK),
+                                  (like(q_TxHxK), heads(w1_TxH.dtype), heads(w2_TxH.dtype), heads(F32)))
+    dk, dv = _dc_call(_dc_dkv_kernel, "dc_dkv", tuning, (*args, lse_HxT, dout_TxHxK, soft),
+                      (like(k_TxHxK), like(v_TxHxK)))
+    return dq, dk, dv, dw1.T, dw2.T
 
 
 @jax.custom_vjp
@@ -1850,14 +1866,8 @@ def _pallas_dc_vjp_fwd(y_TxHxK, *inputs):
 
 def _pallas_dc_vjp_bwd(res, dout_TxHxK):
     inputs, lse_HxT = res
-    q, k, v, _, w1_TxH, w2_TxH, scale = inputs
-    args = _dc_args(*inputs)
-    T, H, K = q.shape
-    like, heads = jax.ShapeDtypeStruct.like, jax.ShapeDtypeStruct((H, T), w1_TxH.dtype)
-    dq, dw1, dw2, soft = _dc_call(_dc_dq_kernel, "dc_dq", T, (*args, lse_HxT, dout_TxHxK),
-                                  (like(q), heads, heads, jax.ShapeDtypeStruct((H, T), F32)))
-    dk, dv = _dc_call(_dc_dkv_kernel, "dc_dkv", T, (*args, lse_HxT, dout_TxHxK, soft), (like(k), like(v)))
-    return dout_TxHxK, dq, dk, dv, None, dw1.T, dw2.T, jnp.zeros_like(scale)
+    dq, dk, dv, dw1, dw2 = _pallas_dc_backward(*inputs, lse_HxT, dout_TxHxK)
+    return dout_TxHxK, dq, dk, dv, None, dw1, dw2, jnp.zeros_like(inputs[-1])
 
 
 pallas_add_dc_correction.defvjp(_pallas_dc_vjp_fwd, _pallas_dc_vjp_bwd)

@@ -424,14 +424,14 @@ def test_bad_flags_exit_2_with_a_reason(capsys, tmp_path):
 
 def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, capsys):
     out = tmp_path / "sweep.txt"
-    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2",
-                       "--repeats", "1", "--rounds", "2", "--out", str(out)]) == 0
+    assert bench.main(["--preset", "smoke", "--sweep", "fwd:128/8/2,dq:64/4/2,up:128x256x128/8/3,dpre:64x64x32/4/2,"
+                       "dc:16/8/1", "--repeats", "1", "--rounds", "2", "--out", str(out)]) == 0
     table, line = out.read_text().rstrip("\n").rsplit("\n", 1)
     result = json.loads(line)
     hp = bench.PRESETS["smoke"]
     windows = sorted({int(w) for w in tg.windows(tg.stage_bounds(hp)[-2][0], hp)})
     assert set(result["rows"]) == {f"pallas {k} W={w}" for k in ("fwd:128/8/2", "dq:64/4/2") for w in windows} | {
-        "pallas up:128x256x128/8/3", "pallas dpre:64x64x32/4/2"}  # 128 tokens, d 96
+        "pallas up:128x256x128/8/3", "pallas dpre:64x64x32/4/2", "pallas dc:16/8/1"}  # 128 tokens, d 96
     assert result["errors"] == [] and all(row["ms"] > 0 and row["gflop"] > 0 for row in result["rows"].values())
     assert result["rows"]["pallas up:128x256x128/8/3"]["gflop"] == 2 * 128 * 96 * 384 / 1e9
     # every row timed once in each of the 2 rounds (after everything compiled): its ms the rounds' median
@@ -441,7 +441,7 @@ def test_the_sweep_times_each_configuration_and_refuses_bad_items(tmp_path, caps
         assert len(ms) == 2 and row["ms"] == pytest.approx(np.median(ms))
         assert row["note"].endswith(f"; rounds {ms[0]:.2f}, {ms[1]:.2f} ms") and row["note"] in table
     for bad in ("fwd:100/8/2", "fwd:128/8", "attn:64/4/2", "dq:64/0/2", "up:128x256/8/3", "dpre:128x96x64/8/3",
-                "up:8x16x16/4/2", "head:128x128x128/8/3"):  # the head has no GEMM kernel of ours
+                "up:8x16x16/4/2", "head:128x128x128/8/3", "dc:32/4/1"):  # the head has no GEMM kernel of ours
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--sweep", bad])
         assert e.value.code == 2 and f"--sweep item {bad!r}" in capsys.readouterr().err
@@ -471,10 +471,10 @@ def test_the_sweep_compiles_everything_then_times_round_after_round(monkeypatch,
 
     monkeypatch.setattr(bench, "seconds_per_call", timed)
     table = bench.Table(989.0)
-    configs = bench.parse_sweep("fwd:64/8/2,up:128x256x128/8/3")
+    configs = bench.parse_sweep("fwd:64/8/2,up:128x256x128/8/3,dc:16/4/1")
     errors, rounds = bench.sweep_rows(table, bench.PRESETS["smoke"], configs, repeats=1, rounds=3)
-    assert events[:2] == ["compile", "compile"] and "compile" not in events[2:]
-    timings, rows = events[2:], 3  # fwd at the smoke preset's 2 windows, up
+    assert events[:3] == ["compile"] * 3 and "compile" not in events[3:]
+    timings, rows = events[3:], 4  # fwd at the smoke preset's 2 windows, up, dc
     assert len(timings) == 3 * rows - 1  # the failed row timed twice, the others in all 3 rounds
     assert [w for _, w in timings[:rows]] == [True] * rows and not any(w for _, w in timings[rows:])
     assert [r for r, _ in timings[:rows]] == [r for r, _ in timings[rows:2 * rows]]  # round after round
@@ -510,7 +510,7 @@ def test_the_gpu_sessions_default_sweep_is_valid_sweep_syntax():
     text = open(os.path.join(ROOT, "tests", "gpu", "session.sh")).read()
     items = ",".join(v.lstrip(",") for v in re.findall(r"^SWEEP_DEFAULT\+?=(\S+)$", text, re.M))
     kernels = {kernel for kernel, _ in bench.parse_sweep(items)}
-    assert kernels == set(bench.ATTENTION_KERNELS) | set(bench.GEMM_KERNELS)
+    assert kernels == set(bench.ATTENTION_KERNELS) | set(bench.GEMM_KERNELS) | set(bench.DC_KERNELS)
 
 
 # ---- the suite on CPU

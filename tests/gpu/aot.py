@@ -470,9 +470,9 @@ def thread_instructions(ptx_paths: list, sequence_paths: list) -> dict:
     return {kernel: instruction_count(bodies[kernel])[0] * n for kernel, n in threads.items() if kernel in bodies}
 
 
-# the Pallas kernel a sweep item tunes, by the name its PTX entry has
-SWEPT_KERNEL = {"fwd": "attention_fwd", "dq": "attention_dq", "dkv": "attention_dkv", "up": "mlp_up",
-                "dpre": "mlp_dpre"}
+# the Pallas kernels a sweep item tunes, by the names their PTX entries have
+SWEPT_KERNELS = {"fwd": ("attention_fwd",), "dq": ("attention_dq",), "dkv": ("attention_dkv",), "up": ("mlp_up",),
+                 "dpre": ("mlp_dpre",), "dc": ("dc_fwd", "dc_dq", "dc_dkv")}
 
 
 def kernel_bodies(paths: list) -> dict:
@@ -575,9 +575,10 @@ def block_map(body: str) -> str:
 def sweep_rows(mesh, configs: list, blocks: bool = False) -> list:
     """Compile each kernel configuration at the record's last-stage chunk (6 heads of 128): the
     forward kernel alone for fwd, the backward (dq and dk/dv, the other at its default) for dq, dkv;
-    the MLP's kernels on the chunk's tokens at the record's width for up and dpre.
+    the MLP's kernels on the chunk's tokens at the record's width for up and dpre; the DC correction's
+    forward and backward for dc (three kernels: a note each).
     Each row: whether it compiles, ptxas's spills, and (from its PTX) which MMA instructions it got; with
-    blocks, a second line: its kernel's PTX as block_map gives it."""
+    blocks, a line a kernel: its PTX as block_map gives it."""
     hp = tg.PRESETS["record"]
     T = tg.stage_shape(tg.program_steps(hp)[-1], hp)[0]
     rep = NamedSharding(mesh, P())
@@ -599,10 +600,15 @@ def sweep_rows(mesh, configs: list, blocks: bool = False) -> list:
         elif kernel == "up":
             fn = lambda x8, w8, dq, act, valid, t=tuning: tg.pallas_mlp_up(x8, w8, dq, act, valid, t)  # noqa: E731
             args = (f8(T, D), f8(F, D), f32(), f32(), jax.ShapeDtypeStruct((T,), jnp.bool_, sharding=rep))
-        else:  # dpre
+        elif kernel == "dpre":
             fn = lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)  # noqa: E731
             args = (bf16(T, D), bf16(F, D), bf16(T, F))
-        args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()
+        else:  # dc: forward and backward
+            def fn(y, q, k, v, d, w1, w2, s, t=tuning):
+                out, lse = tg._pallas_dc_forward(y, q, k, v, d, w1, w2, s, tuning=t)
+                return out, tg._pallas_dc_backward(q, k, v, d, w1, w2, s, lse, y, tuning=t)
+            args = (x, x, x, x, docs, bf16(T, tg.NUM_HEADS), bf16(T, tg.NUM_HEADS), scale)
+        args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()  # (dc's: no window)
         in_specs = (P(),) * len(args)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
         name = tuning_name(kernel, tuning)
@@ -611,10 +617,13 @@ def sweep_rows(mesh, configs: list, blocks: bool = False) -> list:
             with ptxas_notes(notes):
                 program.lower(*args).compile()
             ptx = sorted(dumped() - before)
+            kernels = SWEPT_KERNELS[kernel]
+            named = lambda k: f"; {k}" if len(kernels) > 1 else ""  # noqa: E731  (which of several a note is of)
             rows.append(f"{name:14s} compiles" + ("".join(f"; {k} {n}" for k, n in notes) if notes else ", no spills")
-                        + mma_note(SWEPT_KERNEL[kernel], ptx) + registers_note(SWEPT_KERNEL[kernel], ptx))
-            body = kernel_bodies(ptx).get(SWEPT_KERNEL[kernel]) if blocks else None
-            rows[-1] += f"\n    {SWEPT_KERNEL[kernel]}'s PTX blocks: {block_map(body)}" if body else ""
+                        + "".join(named(k) + mma_note(k, ptx) + registers_note(k, ptx) for k in kernels))
+            for k in kernels if blocks else ():
+                body = kernel_bodies(ptx).get(k)
+                rows[-1] += f"\n    {k}'s PTX blocks: {block_map(body)}" if body else ""
         except Exception as e:  # noqa: BLE001  (a configuration Triton rejects is a row, not the end)
             rows.append(f"{name:14s} FAILS: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         print(rows[-1], flush=True)

@@ -113,10 +113,12 @@ MLP=${MLP:-auto} HEAD=${HEAD:-auto}  # train_gpt.py's and bench.py's --mlp, --he
 # and the MLP's GEMM kernels' defaults (up 128x256x128/8/3, dpre 128x256x64/8/3: the reference's) and
 # neighbours, all clean for an H100 (up since its FP8 dot accumulates into the loop's sum, 2026-11-27:
 # 128x256 and 256x128 spilled before; up's old default 128x128x128/8/3 among them; dpre as on 2026-11-26, and
-# 128x128x64/8/3, whose registers leave room for two programs a multiprocessor, since 2026-11-28)
+# 128x128x64/8/3, whose registers leave room for two programs a multiprocessor, since 2026-11-28), and the
+# DC correction's kernels at 4 warps (the default) and 8: neither spills (2026-11-28)
 SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,dq:128/8/2,dq:32/8/3,dkv:64/8/2,dkv:64/8/3,dkv:64/8/4,dkv:32/8/3
 SWEEP_DEFAULT+=,up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3,up:128x128x128/8/4
 SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x128x64/8/3,dpre:128x256x32/8/4
+SWEEP_DEFAULT+=,dc:16/4/1,dc:16/8/1
 # the kernels' defaults (train_gpt.PALLAS_FWD, _DQ with _DKV, _MLP_UP, _MLP_DPRE; a test checks them)
 NCU_SWEEP=${NCU_SWEEP:-fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x256x64/8/3}
 # ncu: NCU, else on PATH, else the newest under /opt/nvidia/nsight-compute (the image's)
