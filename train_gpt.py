@@ -103,7 +103,7 @@ class Hyperparameters:
     # model (layers and heads are fixed: NUM_LAYERS, NUM_HEADS)
     vocab_size: int = 50257  # padded to a multiple of 128 (50304)
     head_dim: int = 128  # model_dim = 6 x head_dim
-    attention: str = "xla"  # "xla" (pure JAX, the oracle) or "pallas" (fused Triton kernels; interpreted on CPU)
+    attention: str = "xla"  # with the DC correction: "xla" (pure JAX) or "pallas" (Triton kernels; interpreted on CPU)
     mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" (XLA's GEMMs and passes) or "pallas" (fused epilogues)
     head: str = "xla"  # the FP8 head's softcap, normaliser and gradient after cuBLAS's GEMM: "xla" or "pallas"
     # (the command line's default for these three, auto, picks by backend: auto_implementation)
@@ -1704,8 +1704,8 @@ ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)
 # DC_WINDOW-token windows fit one BLOCK of keys (queries), all heads at once, since the mix a = Σ_g w1_g·p_g
 # spans the heads. The reference's kernels' precision: fp32 scores and probabilities, c_h = bf16(w2_h·a), fp32
 # sums; in the backward dc_h = dout_h·v_h in fp32 and ds rounded to bf16 before its products (XLA's path,
-# autodiff, rounds dc_h and ds·scale instead). dk and dv are summed in fp32 and rounded once, where the
-# reference's programs add their parts into bf16 arrays with atomics (in any order).
+# autodiff, rounds dc_h, the cotangent of a bf16 value, and keeps ds in fp32). dk and dv are summed in fp32 and
+# rounded once, where the reference's programs add their parts into bf16 arrays with atomics (in any order).
 DC_ROWS = BLOCK - DC_WINDOW  # 16
 PALLAS_DC = KernelTuning(tile=DC_ROWS, num_warps=4, num_stages=1)  # tile: DC_ROWS; no loop to pipeline
 
@@ -1756,7 +1756,9 @@ def _dc_dq_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, lse_
     visible = _visible((t0 + jnp.arange(DC_ROWS))[:, None], docs_ref[rows][:, None], (k0 + jnp.arange(BLOCK))[None, :],
                        docs_ref[keys][None, :], DC_WINDOW - 1)
     scale = scale_ref[0]
-    probs = lambda g: _dc_probs(q_ref, k_ref, rows, keys, g, scale * LOG2_E, lse_ref[g, rows][:, None], visible)  # noqa: E731
+
+    def probs(g):
+        return _dc_probs(q_ref, k_ref, rows, keys, g, scale * LOG2_E, lse_ref[g, rows][:, None], visible)
 
     def mix(g, a):
         return a + f32(w1_ref[g, rows])[:, None] * probs(g)
@@ -1790,7 +1792,9 @@ def _dc_dkv_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, lse
     visible = _visible((q0 + jnp.arange(BLOCK))[None, :], docs_ref[rows][None, :], (j0 + jnp.arange(DC_ROWS))[:, None],
                        docs_ref[keys][:, None], DC_WINDOW - 1)
     scale = scale_ref[0]
-    probs = lambda g: _dc_probs(k_ref, q_ref, keys, rows, g, scale * LOG2_E, lse_ref[g, rows][None, :], visible)  # noqa: E731
+
+    def probs(g):
+        return _dc_probs(k_ref, q_ref, keys, rows, g, scale * LOG2_E, lse_ref[g, rows][None, :], visible)
 
     def mix(g, a):
         return a + f32(w1_ref[g, rows])[None, :] * probs(g)
@@ -3342,7 +3346,7 @@ def parse_args(argv=None):
     for field in FLAG_FIELDS:
         flag = "--" + field.name.replace("_", "-")
         if field.name in AUTO_FIELDS:
-            what = {"attention": "the attention: pure JAX, or fused Pallas kernels",
+            what = {"attention": "the attention and layer 10's DC correction: pure JAX, or fused Pallas kernels",
                     "mlp": "the FP8 MLP's up projection and backward dpre: XLA's GEMMs and passes, or Pallas GEMM "
                            "kernels with fused epilogues",
                     "head": "the FP8 head's softcapped cross-entropy over cuBLAS's logits: XLA's passes, or Pallas "

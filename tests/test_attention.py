@@ -258,8 +258,8 @@ def test_dc_kernels_round_as_the_reference_and_match_the_xla_path():
     """pallas_add_dc_correction against float64 with the reference kernels' roundings, in units of 2^-8 of a
     value (floored at 2^-12 of the largest): 40 seeds gave at most 3.0 units and 0.04% of the values beyond
     one (a c_h next to a bf16 midpoint may round the other way, moving its row by several units; a reviewer
-    saw 3.5 in 130 seeds); add_dc_correction, the XLA path, whose autodiff also rounds dc_h and ds·scale to
-    bf16, within 2^-7 in norm (40 seeds: 3.8e-3 at most, 10.5 units, 15% of dw1 beyond one).
+    saw 3.5 in 130 seeds); add_dc_correction, the XLA path, whose autodiff rounds dc_h to bf16 and keeps ds
+    in fp32, within 2^-7 in norm (40 seeds: 3.8e-3 at most, 10.5 units, 15% of dw1 beyond one).
     384 tokens: the first 7 programs' keys start at 0, the dk/dv kernel's last 7 take the last 128 queries.
     Documents of mean length 60 (boundaries bind) and 400 (the 112-token window binds); q x 3: peaked rows,
     where one key too many or too few moves a value by much of itself (such mutants: 22-60,000 units)."""

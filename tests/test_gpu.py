@@ -1496,7 +1496,7 @@ def test_dc_kernels_match_the_xla_path():
     result = run_case("dc", ATTENTION_T)
     print(result)
     # on CPU the kernels are within 3 units of 2^-8 of float64 with the reference's roundings, the XLA path's
-    # autodiff within 10.5 (it also rounds dc_h and ds·scale; tests/test_attention.py); the two apart by
+    # autodiff within 10.5 (it rounds dc_h, keeps ds in fp32; tests/test_attention.py); the two apart by
     # 2.5e-5 (out) and at most 3.6e-3 (gradients) in norm at 4,096 tokens (this case, interpreted); a GPU's
     # exp2 and exp differ by a few fp32 ulps more
     assert result["out_vs_xla"] <= 2.0**-8, result
