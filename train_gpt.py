@@ -663,23 +663,71 @@ def _window_attention_bwd(max_diagonals, res, dout_TxHxK):
 window_attention.defvjp(_window_attention_fwd, _window_attention_bwd)
 
 
+def _dc_probs_xla(q, k, docs_T, scale):
+    """Each head's probabilities over the keys of blocks n-1 and n side by side (2B keys per query block;
+    DC_WINDOW < BLOCK so that suffices): N x H x B x 2B, fp32."""
+    N = q.shape[0]
+    docs_NxB = docs_T.reshape(N, BLOCK)
+    s = jnp.concatenate([_scores(1, q, k, scale), _scores(0, q, k, scale)], -1)
+    mask = jnp.concatenate([_diagonal_mask(1, docs_NxB, DC_WINDOW - 1), _diagonal_mask(0, docs_NxB, DC_WINDOW - 1)], -1)
+    return jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+
+
+def _two_blocks(x):
+    """Blocks n-1 and n of x (N x H x B x K) side by side: N x H x 2B x K (row 0's first half wraps: masked)."""
+    return jnp.concatenate([jnp.roll(x, 1, axis=0), x], axis=2)
+
+
+def _from_two_blocks(g):
+    """The transpose of _two_blocks: a cotangent N x H x 2B x K back to its blocks."""
+    B = g.shape[2] // 2
+    return jnp.roll(g[:, :, :B], -1, axis=0) + g[:, :, B:]
+
+
+def _dc_mix(p, w1_TxH, w2_TxH):
+    """(a = Σ_g w1_g·p_g (N x B x 2B), w1 and w2 as N x H x B, fp32)."""
+    N, H, B, _ = p.shape
+    w1, w2 = (f32(w).reshape(N, B, H).transpose(0, 2, 1) for w in (w1_TxH, w2_TxH))
+    return jnp.einsum("ngq,ngqk->nqk", w1, p), w1, w2
+
+
+@jax.custom_vjp
 def dc_correction(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
     """Post-only dynamic composition (the reference's DC kernel): each head h adds
     bf16(w2_h · Σ_g w1_g·p_g) @ v_h, where p_g are head g's attention probabilities over the last
-    DC_WINDOW tokens of the document (self included). T a multiple of 128; returns fp32."""
+    DC_WINDOW tokens of the document (self included). T a multiple of 128; returns fp32. Its backward is
+    written out, rounding where the reference's kernels do (autodiff would round dc_h, the cotangent of a
+    bf16 value, and keep ds in fp32)."""
     q, k, v = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK)
+    a, _, w2 = _dc_mix(_dc_probs_xla(q, k, docs_T, scale), w1_TxH, w2_TxH)
+    cw = (w2[..., None] * a[:, None]).astype(v.dtype)  # N x H x B x 2B
+    return _unblocks(jnp.einsum("nhqk,nhkd->nhqd", cw, _two_blocks(v), preferred_element_type=F32))
+
+
+def _dc_correction_bwd(res, dout_TxHxK):
+    """The reference's DC backward: dc_h = dout_h·v_hᵀ in fp32, dw2_h = Σ dc_h·a, da = Σ_h w2_h·dc_h,
+    dw1_g = Σ p_g·da, ds_g = bf16(p_g·(w1_g·da - w1_g·dw1_g)), dq = (ds·k)·scale, dk = (dsᵀ·q)·scale,
+    dv_h = bf16(w2_h·a)ᵀ·dout_h; probabilities recomputed from q and k."""
+    q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale = res
+    q, k, v, dout = (_blocks(x) for x in (q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK))
     N, H, B, K = q.shape
-    docs_NxB = docs_T.reshape(N, B)
-    # key blocks n-1 and n side by side: 2B keys per query block; DC_WINDOW < BLOCK so that suffices
-    s = jnp.concatenate([_scores(1, q, k, scale), _scores(0, q, k, scale)], -1)
-    mask = jnp.concatenate([_diagonal_mask(1, docs_NxB, DC_WINDOW - 1), _diagonal_mask(0, docs_NxB, DC_WINDOW - 1)], -1)
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)  # N x H x B x 2B, fp32
-    w1 = f32(w1_TxH).reshape(N, B, H)
-    w2 = f32(w2_TxH).reshape(N, B, H)
-    a = jnp.einsum("nqg,ngqk->nqk", w1, p)
-    cw = (w2.transpose(0, 2, 1)[..., None] * a[:, None]).astype(v.dtype)  # N x H x B x 2B
-    v2 = jnp.concatenate([jnp.roll(v, 1, axis=0), v], axis=2)  # N x H x 2B x K
-    return _unblocks(jnp.einsum("nhqk,nhkd->nhqd", cw, v2, preferred_element_type=F32))
+    p = _dc_probs_xla(q, k, docs_T, scale)
+    a, w1, w2 = _dc_mix(p, w1_TxH, w2_TxH)
+    dc = jnp.einsum("nhqd,nhkd->nhqk", f32(dout), f32(_two_blocks(v)))
+    cw = (w2[..., None] * a[:, None]).astype(v.dtype)
+    dv = _from_two_blocks(jnp.einsum("nhqk,nhqd->nhkd", f32(cw), f32(dout)))
+    dw2 = jnp.sum(dc * a[:, None], axis=-1)
+    da = jnp.einsum("nhq,nhqk->nqk", w2, dc)
+    dw1 = jnp.einsum("nqk,nhqk->nhq", da, p)
+    ds = (p * (w1[..., None] * da[:, None] - (w1 * dw1)[..., None])).astype(q.dtype)
+    dq = jnp.einsum("nhqk,nhkd->nhqd", ds, _two_blocks(k), preferred_element_type=F32) * scale
+    dk = _from_two_blocks(jnp.einsum("nhqk,nhqd->nhkd", ds, q, preferred_element_type=F32)) * scale
+    heads = lambda g: g.transpose(0, 2, 1).reshape(N * B, H)  # noqa: E731  (N x H x B -> T x H)
+    return (*(_unblocks(g).astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v))), None,
+            heads(dw1).astype(w1_TxH.dtype), heads(dw2).astype(w2_TxH.dtype), jnp.zeros_like(scale))
+
+
+dc_correction.defvjp(lambda *args: (dc_correction(*args), args), _dc_correction_bwd)
 
 
 def add_dc_correction(y_TxHxK, q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
@@ -1703,9 +1751,9 @@ ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)
 # reference's DC kernels do: a program takes DC_ROWS queries (forward, dq) or keys (dk/dv), whose
 # DC_WINDOW-token windows fit one BLOCK of keys (queries), all heads at once, since the mix a = Σ_g w1_g·p_g
 # spans the heads. The reference's kernels' precision: fp32 scores and probabilities, c_h = bf16(w2_h·a), fp32
-# sums; in the backward dc_h = dout_h·v_h in fp32 and ds rounded to bf16 before its products (XLA's path,
-# autodiff, rounds dc_h, the cotangent of a bf16 value, and keeps ds in fp32). dk and dv are summed in fp32 and
-# rounded once, where the reference's programs add their parts into bf16 arrays with atomics (in any order).
+# sums; in the backward dc_h = dout_h·v_h in fp32 and ds rounded to bf16 before its products, as XLA's path's
+# written-out backward. dk and dv are summed in fp32 and rounded once, where the reference's programs add their
+# parts into bf16 arrays with atomics (in any order).
 DC_ROWS = BLOCK - DC_WINDOW  # 16
 PALLAS_DC = KernelTuning(tile=DC_ROWS, num_warps=4, num_stages=1)  # tile: DC_ROWS; no loop to pipeline
 
