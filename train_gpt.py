@@ -1771,12 +1771,19 @@ def _over_heads(H, body, init):
     return jax.lax.fori_loop(0, H, body, init)
 
 
-def _dc_fwd_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, y_ref, out_ref, lse_ref):
+def _dc_queries(docs_ref):
+    """A forward or dq program's DC_ROWS queries t0.., the BLOCK keys their windows reach (t0 - 112 ..
+    t0 + 15, from 0 at the sequence's start) and which (query, key) pairs are visible."""
     t0 = pl.program_id(0) * DC_ROWS
-    k0 = pl.multiple_of(jnp.maximum(t0 + DC_ROWS - BLOCK, 0), DC_ROWS)  # keys t0 - 112 .. t0 + 15 (from 0)
+    k0 = pl.multiple_of(jnp.maximum(t0 + DC_ROWS - BLOCK, 0), DC_ROWS)
     rows, keys = pl.ds(pl.multiple_of(t0, DC_ROWS), DC_ROWS), pl.ds(k0, BLOCK)
     visible = _visible((t0 + jnp.arange(DC_ROWS))[:, None], docs_ref[rows][:, None], (k0 + jnp.arange(BLOCK))[None, :],
                        docs_ref[keys][None, :], DC_WINDOW - 1)
+    return rows, keys, visible
+
+
+def _dc_fwd_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, y_ref, out_ref, lse_ref):
+    rows, keys, visible = _dc_queries(docs_ref)
     scale_log2 = scale_ref[0] * LOG2_E
 
     def mix(g, a):  # a = Σ_g w1_g·p_g; each row sees itself: its max is finite and its sum >= 1
@@ -1798,11 +1805,7 @@ def _dc_fwd_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, y_r
 
 def _dc_dq_kernel(scale_ref, docs_ref, q_ref, k_ref, v_ref, w1_ref, w2_ref, lse_ref, dout_ref,
                   dq_ref, dw1_ref, dw2_ref, soft_ref):
-    t0 = pl.program_id(0) * DC_ROWS
-    k0 = pl.multiple_of(jnp.maximum(t0 + DC_ROWS - BLOCK, 0), DC_ROWS)
-    rows, keys = pl.ds(pl.multiple_of(t0, DC_ROWS), DC_ROWS), pl.ds(k0, BLOCK)
-    visible = _visible((t0 + jnp.arange(DC_ROWS))[:, None], docs_ref[rows][:, None], (k0 + jnp.arange(BLOCK))[None, :],
-                       docs_ref[keys][None, :], DC_WINDOW - 1)
+    rows, keys, visible = _dc_queries(docs_ref)
     scale = scale_ref[0]
 
     def probs(g):
