@@ -707,15 +707,16 @@ def dc_correction(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
 def _dc_correction_bwd(res, dout_TxHxK):
     """The reference's DC backward: dc_h = dout_h·v_hᵀ in fp32, dw2_h = Σ dc_h·a, da = Σ_h w2_h·dc_h,
     dw1_g = Σ p_g·da, ds_g = bf16(p_g·(w1_g·da - w1_g·dw1_g)), dq = (ds·k)·scale, dk = (dsᵀ·q)·scale,
-    dv_h = bf16(w2_h·a)ᵀ·dout_h; probabilities recomputed from q and k."""
+    dv_h = bf16(w2_h·a)ᵀ·dout_h; probabilities recomputed from q and k. dout in bf16, as the reference's
+    kernel takes its bf16 output's: add_dc_correction's is one (bf16 GEMMs, not TF32 ones on fp32 copies)."""
     q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale = res
-    q, k, v, dout = (_blocks(x) for x in (q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK))
+    q, k, v, dout = (_blocks(x) for x in (q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK.astype(BF16)))
     N, H, B, K = q.shape
     p = _dc_probs_xla(q, k, docs_T, scale)
     a, w1, w2 = _dc_mix(p, w1_TxH, w2_TxH)
-    dc = jnp.einsum("nhqd,nhkd->nhqk", f32(dout), f32(_two_blocks(v)))
+    dc = jnp.einsum("nhqd,nhkd->nhqk", dout, _two_blocks(v), preferred_element_type=F32)
     cw = (w2[..., None] * a[:, None]).astype(v.dtype)
-    dv = _from_two_blocks(jnp.einsum("nhqk,nhqd->nhkd", f32(cw), f32(dout)))
+    dv = _from_two_blocks(jnp.einsum("nhqk,nhqd->nhkd", cw, dout, preferred_element_type=F32))
     dw2 = jnp.sum(dc * a[:, None], axis=-1)
     da = jnp.einsum("nhq,nhqk->nqk", w2, dc)
     dw1 = jnp.einsum("nqk,nhqk->nhq", da, p)
