@@ -1748,13 +1748,14 @@ ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)
 
 # --- the DC correction as fused Pallas kernels (--attention pallas) -------------------------------
 # dc_correction's result and gradients without its (T, H, 2·BLOCK) fp32 arrays of scores and probabilities
-# (tests/gpu/aot.py, the record's last stage: 83 GB a step, 28 ms of floors, for layer 10 alone), as the
-# reference's DC kernels do: a program takes DC_ROWS queries (forward, dq) or keys (dk/dv), whose
-# DC_WINDOW-token windows fit one BLOCK of keys (queries), all heads at once, since the mix a = Σ_g w1_g·p_g
-# spans the heads. The reference's kernels' precision: fp32 scores and probabilities, c_h = bf16(w2_h·a), fp32
-# sums; in the backward dc_h = dout_h·v_h in fp32 and ds rounded to bf16 before its products, as XLA's path's
-# written-out backward. dk and dv are summed in fp32 and rounded once, where the reference's programs add their
-# parts into bf16 arrays with atomics (in any order).
+# (tests/gpu/aot.py, the record's last stage, with autodiff's backward then: 83 GB a step, 28 ms of floors,
+# for layer 10 alone; the kernels' 9.8 GB, 3.3 ms), as the reference's DC kernels do: a program takes
+# DC_ROWS queries (forward, dq) or keys (dk/dv), whose DC_WINDOW-token windows fit one BLOCK of keys
+# (queries), all heads at once, since the mix a = Σ_g w1_g·p_g spans the heads. The reference's kernels'
+# precision: fp32 scores and probabilities, c_h = bf16(w2_h·a), fp32 sums; in the backward dc_h = dout_h·v_h
+# in fp32 and ds rounded to bf16 before its products, as XLA's path's written-out backward. dk and dv are
+# summed in fp32 and rounded once, where the reference's programs add their parts into bf16 arrays with
+# atomics (in any order).
 DC_ROWS = BLOCK - DC_WINDOW  # 16
 PALLAS_DC = KernelTuning(tile=DC_ROWS, num_warps=4, num_stages=1)  # tile: DC_ROWS; no loop to pipeline
 
