@@ -2957,8 +2957,9 @@ class TrainClock:
         if self.since is None:
             self.since = time.perf_counter()
 
-    def pause(self):
+    def pause(self) -> float:
         self.done_ms, self.since = self.ms(), None
+        return self.done_ms
 
 
 def eta_note(tokens_S, steps_done: int, train_ms: float, validations_left: int, val_s: float) -> str:
@@ -3143,11 +3144,11 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
     clock, pending, val_s, step = TrainClock(), None, 0.0, 0
     on_device = []  # what was dispatched and not yet read back: step indices, or "validation"
 
-    def finish(dispatched):
+    def finish(dispatched, pause=False):
         finished, loss = dispatched
         loss = local_value(loss)  # waits for that step
         on_device.remove(finished)
-        ms = clock.ms()
+        ms = clock.pause() if pause else clock.ms()  # paused before the line is written: writing is not training
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite train loss {loss} at step {finished + 1}: usual causes are a learning rate too "
@@ -3163,7 +3164,7 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
                 raise Interrupted(stop[0])
             if step in validations:
                 if pending:
-                    finish(pending)
+                    finish(pending, pause=True)
                     pending = None
                 on_device.append("validation")
                 clock.pause()
