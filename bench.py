@@ -130,6 +130,12 @@ def layer_pairs(docs_T, short: int, long: int) -> int:
     return total
 
 
+def dc_flops(docs_T, K: int) -> int:
+    """Useful FLOPs of layer 10's DC correction, forward and backward: each head's visible pairs (keys at most
+    DC_WINDOW - 1 tokens back, same document) at 12·K, counted as attention's."""
+    return 12 * K * tg.NUM_HEADS * attention_pairs(docs_T, tg.DC_WINDOW - 1)
+
+
 def model_flops(hp, docs_RxT, short: int, long: int, backward: bool = True) -> float:
     """Useful FLOPs of the model on these chunks: matmuls plus the allowed attention pairs."""
     K = hp.head_dim
@@ -295,10 +301,10 @@ def attention_kernel_rows(table, hp, impl, docs_T, windows, rng, repeats):
     # of the attention plus the attention's output and the two head-mixing weights
     y, q, k, v = (jnp.asarray(rng.standard_normal((T, H, K)), jnp.bfloat16) for _ in range(4))
     w1, w2 = (jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16) for _ in range(2))
-    docs, pairs = jnp.asarray(docs_T, jnp.int32), attention_pairs(docs_T, tg.DC_WINDOW - 1)
+    docs = jnp.asarray(docs_T, jnp.int32)
     time_part(table, f"DC correction {impl}", lambda *x: tg.ADD_DC_CORRECTION[impl](*x[:4], docs, *x[4:], scale),
-              (y, q, k, v, w1, w2), 6, rng, repeats, tokens=T, flops=12 * K * H * pairs,
-              note=f"{pairs / T:.0f} keys/query")
+              (y, q, k, v, w1, w2), 6, rng, repeats, tokens=T, flops=dc_flops(docs_T, K),
+              note=f"{attention_pairs(docs_T, tg.DC_WINDOW - 1) / T:.0f} keys/query")
 
 
 def block_part_rows(table, hp, params, inputs_T, targets_T, rng, repeats):
@@ -909,6 +915,13 @@ def tuning_name(kernel, tuning) -> str:
     return f"{kernel}:{tuning.tile}/{tuning.num_warps}/{tuning.num_stages}"
 
 
+def dc_forward_backward(y, q, k, v, docs, w1, w2, scale, dout, tuning):
+    """The DC correction's Pallas kernels as a train step runs them: the forward, then the backward from its
+    log-sum-exp (the sweep's dc items; tests/gpu/aot.py's too)."""
+    out, lse = tg._pallas_dc_forward(y, q, k, v, docs, w1, w2, scale, tuning=tuning)
+    return out, tg._pallas_dc_backward(q, k, v, docs, w1, w2, scale, lse, dout, tuning=tuning)
+
+
 def gemm_sweep_inputs(rng, hp, T):
     """The GEMM kernels' operands at T tokens: {kernel: (function, arguments, FLOPs)}."""
     D, F = hp.model_dim, 4 * hp.model_dim
@@ -924,10 +937,11 @@ def sweep_rows(table, hp, configs, repeats, rounds):
     """Each configuration's kernel at the last stage's chunk (6 heads), at its short and long window:
     fwd alone for the forward kernel; the backward (dq and dk/dv kernels, the other at its default)
     for dq and dkv; up and dpre (the MLP's kernels) on the chunk's tokens at the model's width; dc, the DC
-    correction's forward and backward kernels, on the chunk. Everything compiles first; then `rounds` rounds each time every measurement once
-    (`repeats` calls, their median), so that a drift of the device's clocks reaches every row alike: a
-    row is the median of its rounds, the rounds' times go in its note. Returns (errors, {row: ms per
-    round}); a configuration that fails to compile or run is reported and the others go on."""
+    correction's forward and backward kernels, on the chunk. Everything compiles first; then `rounds`
+    rounds each time every measurement once (`repeats` calls, their median), so that a drift of the
+    device's clocks reaches every row alike: a row is the median of its rounds, the rounds' times go in its
+    note. Returns (errors, {row: ms per round}); a configuration that fails to compile or run is reported
+    and the others go on."""
     rng = np.random.default_rng(0)
     first = tg.stage_bounds(hp)[-2][0]
     T, H, K = tg.stage_shape(first, hp)[0], tg.NUM_HEADS, hp.head_dim
@@ -956,15 +970,11 @@ def sweep_rows(table, hp, configs, repeats, rounds):
                 continue
             if kernel in DC_KERNELS:  # forward then backward, as a train step runs them
                 w1, w2 = (jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16) for _ in range(2))
-
-                def dc(y, q, k, v, docs, w1, w2, dout, t=tuning):
-                    out, lse = tg._pallas_dc_forward(y, q, k, v, docs, w1, w2, scale, tuning=t)
-                    return out, tg._pallas_dc_backward(q, k, v, docs, w1, w2, scale, lse, dout, tuning=t)
-
-                args = (dout, q, k, v, docs, w1, w2, dout)
-                compiled, compile_s = compile_timed(jax.jit(dc), *args)
-                rows.append((name, compiled, args, dict(tokens=T, flops=12 * K * H * attention_pairs(docs_T, tg.DC_WINDOW - 1),
-                                                        compile_s=compile_s, note="DC correction: forward + backward")))
+                args = (dout, q, k, v, docs, w1, w2, scale, dout)  # (y: any bf16 values)
+                program = jax.jit(lambda *a, t=tuning: dc_forward_backward(*a, tuning=t))
+                compiled, compile_s = compile_timed(program, *args)
+                rows.append((name, compiled, args, dict(tokens=T, flops=dc_flops(docs_T, K), compile_s=compile_s,
+                                                        note="DC correction: forward + backward")))
                 continue
             # the arrays are arguments, not constants baked into the program
             if kernel == "fwd":

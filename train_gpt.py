@@ -792,9 +792,9 @@ def _bf16_rounded(x):
     sqrt(relu(pre)²) instead of sqrt(post)), XLA:CPU one that a reduction reads, options or not, and
     Pallas's Triton lowering has no reduce_precision. On a GPU the hardware's convert and a shift (the
     rounding on the bits took 6-8 more PTX instructions a value: a quarter of mlp_up's epilogue).
-    Infinities and NaNs stay. No
-    derivative (bit operations): only in forwards a custom_vjp or a kernel owns (autodiff through it
-    zeroes the gradient: 2026-11-27, at the DC correction's output, tried and reverted)."""
+    Infinities and NaNs stay. No derivative (bit operations): only in forwards a custom_vjp or a kernel
+    owns (autodiff through it zeroes the gradient: 2026-11-27, at the DC correction's output, tried and
+    reverted)."""
     bf16_bits = jax.lax.bitcast_convert_type(x.astype(BF16), jnp.uint16)
     return jax.lax.bitcast_convert_type(bf16_bits.astype(jnp.uint32) << 16, F32)
 

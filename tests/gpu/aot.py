@@ -68,7 +68,7 @@ import train_gpt as tg  # noqa: E402
 
 if __name__ == "__main__":
     tg.backend_defaults()  # compiled with the XLA flags a training run starts with (before JAX reads them)
-from bench import gemm_kernels_named, parse_sweep, source_of, tuning_name  # noqa: E402
+from bench import dc_forward_backward, gemm_kernels_named, parse_sweep, source_of, tuning_name  # noqa: E402
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
@@ -604,10 +604,8 @@ def sweep_rows(mesh, configs: list, blocks: bool = False) -> list:
             fn = lambda g, w, post, t=tuning: tg.pallas_mlp_dpre(g, w, post, t)  # noqa: E731
             args = (bf16(T, D), bf16(F, D), bf16(T, F))
         else:  # dc: forward and backward
-            def fn(y, q, k, v, d, w1, w2, s, t=tuning):
-                out, lse = tg._pallas_dc_forward(y, q, k, v, d, w1, w2, s, tuning=t)
-                return out, tg._pallas_dc_backward(q, k, v, d, w1, w2, s, lse, y, tuning=t)
-            args = (x, x, x, x, docs, bf16(T, tg.NUM_HEADS), bf16(T, tg.NUM_HEADS), scale)
+            fn = lambda *a, t=tuning: dc_forward_backward(*a, tuning=t)  # noqa: E731
+            args = (x, x, x, x, docs, bf16(T, tg.NUM_HEADS), bf16(T, tg.NUM_HEADS), scale, x)
         args += (window, scale) if kernel in ("fwd", "dq", "dkv") else ()  # (dc's: no window)
         in_specs = (P(),) * len(args)  # the Pallas kernels lower for CUDA inside a mesh of CUDA devices
         program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False))
