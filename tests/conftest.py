@@ -18,6 +18,7 @@ import math
 import os
 import pathlib
 import pkgutil
+import secrets
 import shutil
 import subprocess
 import sys
@@ -111,7 +112,8 @@ def pytest_runtest_logreport(report):
     """With FAILURES_AT_ONCE=1, a failure's reason as soon as it fails, not only in the summary at the
     end, which a time limit can cut off (tests/gpu/session.sh's lane)."""
     if report.failed and os.environ.get("FAILURES_AT_ONCE") == "1":
-        sys.stdout.write(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-6000:]}\n")
+        seed = "".join(f"\n{text}" for name, text in report.sections if name == "random inputs")
+        sys.stdout.write(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-6000:]}{seed}\n")
         sys.stdout.flush()
 
 
@@ -165,6 +167,27 @@ def _backend_variables_restored():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+# Every run draws fresh random inputs, and a failure can draw them again: np.random.default_rng() without
+# a seed (how the tests draw theirs) starts from this test's seed, taken from the OS or from TEST_SEED,
+# which a failed test's report shows (a rare failure of a bound was not reproducible: CI, 2026-11-28).
+# Draws at import time and in subprocesses keep their own seeds.
+@pytest.fixture(autouse=True)
+def _test_seed(request, monkeypatch):
+    seed = int(os.environ.get("TEST_SEED") or secrets.randbits(32))
+    request.node.test_seed, seeds, default_rng = seed, np.random.SeedSequence(seed), np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng",
+                        lambda seed=None: default_rng(seeds.spawn(1)[0] if seed is None else seed))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and hasattr(item, "test_seed"):
+        report.sections.append(("random inputs", f"seed {item.test_seed}: TEST_SEED={item.test_seed} python -m "
+                                                 f"pytest '{item.nodeid}' draws them again"))
+    return report
 
 
 @pytest.fixture(scope="session")

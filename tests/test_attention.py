@@ -61,8 +61,12 @@ def everything(attention):
 PALLAS, XLA = everything(m.pallas_window_attention), everything(m.window_attention)
 
 
+def abs_err(a, b):
+    return np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+
+
 def max_err(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+    return float(np.max(abs_err(a, b)))
 
 
 @pytest.mark.parametrize("T, H", [(512, 6), (1024, 3)])  # a layer's heads; a paired layer's doubled sequence
@@ -82,10 +86,17 @@ def test_matches_window_attention_and_float64_oracle(T, H):
         assert all(g.dtype == BF16 and g.shape == q.shape for g in ours[1:4])
         assert ours[4].dtype == F32 and float(ours[4]) == 0.0  # the scale gets a zero cotangent
         for name, o, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref[:1] + ref[2:]):
-            size = np.max(np.abs(r))
+            size, err_o, err_x = np.max(np.abs(r)), abs_err(o, r), abs_err(x, r)
             # both round to bf16 at the same points (p before p·v, ds, the results): the pure-JAX
-            # path's error is the yardstick, and the two stay within ~2 bf16 ulps of each other
-            assert max_err(o, r) <= 1.25 * max_err(x, r) + 2**-10 * size, (name, window, max_err(o, r), max_err(x, r))
+            # path's error is the yardstick. Their fp32 sums differ in order, so an intermediate next to
+            # a bf16 midpoint can round the other way and move a result by up to ~1 ulp of the largest
+            # (CI, 2026-11-28: dq 1.3 units of 2^-8·size from the oracle where the XLA path's was 0.7).
+            # So the largest error may exceed the yardstick's by one unit, and the mean error, which a
+            # rare flip cannot move, catches a systematic loss of precision (honest runs: at most 0.16
+            # units and 0.16% over, in 4,060 cases of 203 draws; with p rounded before ds, lse off by
+            # 1e-3 or l summed from rounded p: means 1-10% over)
+            assert err_o.max() <= err_x.max() + 2**-8 * size, (name, window, err_o.max(), err_x.max())
+            assert err_o.mean() <= 1.01 * err_x.mean(), (name, window, err_o.mean(), err_x.mean())
             assert max_err(o, x) <= 2**-6 * size, (name, window, max_err(o, x))
         if window == 0:  # every query sees only itself
             np.testing.assert_array_equal(np.asarray(ours[0], F32), np.asarray(v, F32))
