@@ -2944,6 +2944,15 @@ class Interrupted(BaseException):
     """SIGINT/SIGTERM; a BaseException, like KeyboardInterrupt, so no library's `except Exception` eats it."""
 
 
+def interruption(e: BaseException):
+    """The Interrupted that e is or comes from, else None. The signal handler raises it wherever Python runs
+    next, which may be a callback from C code: that code then fails with an exception of its own, caused by
+    it (jax 0.11.2, a Ctrl-C while tracing: numpy's SystemError from a dtype's __numpy_dtype__, 2026-11-28)."""
+    while e is not None and not isinstance(e, Interrupted):
+        e = e.__cause__ or e.__context__
+    return e
+
+
 class TrainClock:
     """Milliseconds of training: runs while steps run, paused for validation."""
 
@@ -3287,18 +3296,19 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         synthetic = any(os.path.basename(f).startswith("synthetic_") for f in inputs.train_files)
         console(f"the record log: {log.path if log else '-'} (`python records/logs.py LOG` prints its table)"
                 + ("; trained on synthetic shards: the losses say nothing about FineWeb" if synthetic else ""))
-    except Interrupted as e:
-        if log:
-            say(f"interrupted at step {getattr(e, 'step', hp.total_steps if trained else 0)} ({e})")
-        else:
-            console(f"interrupted ({e}) before training started; no record log was written")
-        raise
     except FloatingPointError as e:
         say(f"stopped: {e}")
         raise
-    except Exception as e:  # a bug or a device error: the log says so, the traceback goes on
-        say(stopped_line(e))
-        raise
+    except (Interrupted, Exception) as e:
+        interrupted = interruption(e)
+        if interrupted is None:  # a bug or a device error: the log says so, the traceback goes on
+            say(stopped_line(e))
+            raise
+        if log:
+            say(f"interrupted at step {getattr(interrupted, 'step', hp.total_steps if trained else 0)} ({interrupted})")
+        else:
+            console(f"interrupted ({interrupted}) before training started; no record log was written")
+        raise interrupted from None
     finally:
         for s in previous:  # a second Ctrl-C must not cut the clean-up short
             signal.signal(s, signal.SIG_IGN)

@@ -431,6 +431,31 @@ def test_ctrl_c_while_compiling_writes_no_log_and_no_traceback(tiny_args, tmp_pa
     assert not records.exists() or not any(records.iterdir())
 
 
+def test_an_interrupt_that_c_code_wrapped_in_its_own_error_is_still_an_interrupt(monkeypatch, tiny_args, tmp_path,
+                                                                                   capsys):
+    """The handler's Interrupted raised inside a callback from C code comes out as that code's error, caused by
+    it (jax 0.11.2 under load, 2 Ctrl-Cs in 40: numpy's SystemError while tracing): still exit 130, no log, no
+    traceback; so is an error raised while the interrupt was being handled, not a bug's."""
+    def wrapped(*args, **kwargs):
+        try:
+            raise tg.Interrupted("SIGINT")
+        except tg.Interrupted as e:
+            raise SystemError("<function _ScalarMeta.__numpy_dtype__> returned a result with an exception set") from e
+
+    monkeypatch.setattr(tg, "lower_steps", wrapped)
+    assert tg.main(tiny_args(tmp_path / "r")) == 130
+    assert "interrupted (SIGINT) before training started; no record log was written" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+    try:
+        try:
+            raise tg.Interrupted("SIGTERM")
+        except tg.Interrupted:
+            raise OSError("while cleaning up")  # context, not cause: still the interrupt's consequence
+    except OSError as e:
+        assert str(tg.interruption(e)) == "SIGTERM"
+    assert tg.interruption(ValueError("a bug")) is None
+
+
 def test_a_bug_is_not_reported_as_bad_input(monkeypatch, tiny_args, tmp_path):
     """Only the project's own input errors exit 2; a ValueError from the code keeps its traceback."""
     def planted(*args, **kwargs):
