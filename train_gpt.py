@@ -1891,7 +1891,7 @@ def _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, y_TxHxK=N
 def _pallas_dc_forward(y_TxHxK, q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, tuning=PALLAS_DC):
     """(y + the correction in y's dtype, each head's log-sum-exp (H, T) in log2 units)."""
     args = _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale, y_TxHxK)
-    T, H, K = y_TxHxK.shape
+    T, H = y_TxHxK.shape[:2]
     return _dc_call(_dc_fwd_kernel, "dc_fwd", tuning, (*args, y_TxHxK),
                     (jax.ShapeDtypeStruct.like(y_TxHxK), jax.ShapeDtypeStruct((H, T), F32)))
 
@@ -1900,7 +1900,7 @@ def _pallas_dc_backward(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale
                         tuning=PALLAS_DC):
     """(dq, dk, dv, dw1, dw2) of the correction from the saved log-sum-exp; dout in bf16."""
     args = _dc_args(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale)
-    T, H, K = q_TxHxK.shape
+    T, H = q_TxHxK.shape[:2]
     like, heads = jax.ShapeDtypeStruct.like, lambda dtype: jax.ShapeDtypeStruct((H, T), dtype)  # noqa: E731
     dq, dw1, dw2, soft = _dc_call(_dc_dq_kernel, "dc_dq", tuning, (*args, lse_HxT, dout_TxHxK),
                                   (like(q_TxHxK), heads(w1_TxH.dtype), heads(w2_TxH.dtype), heads(F32)))

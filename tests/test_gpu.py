@@ -1495,9 +1495,9 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
 def test_dc_kernels_match_the_xla_path():
     result = run_case("dc", ATTENTION_T)
     print(result)
-    # on CPU both paths are within 3 units of 2^-8 of float64 with the reference's roundings
-    # (tests/test_attention.py), and apart by 2.7e-5 (out) and at most 5.6e-5 (gradients) in norm at 4,096
-    # tokens (this case, interpreted); a GPU's exp2 and exp differ by a few fp32 ulps more, which may flip a
+    # on CPU both paths are within 16 units of 2^-8 of float64 with the reference's roundings, 3 in 98% of
+    # draws (tests/test_attention.py), and apart by 2.7e-5 (out) and at most 5.6e-5 (gradients) in norm at
+    # 4,096 tokens (this case, interpreted); a GPU's exp2 and exp differ by a few fp32 ulps more, which may flip a
     # bf16 rounding of c_h or ds here and there
     for name in ("out", "dy", "dq", "dk", "dv", "dw1", "dw2"):
         assert result[f"{name}_vs_xla"] <= 2.0**-9, result
