@@ -1826,7 +1826,7 @@ if sys.argv[1] == "train_gpt.py":
     (profiled, profiled_env), (page, _) = (json.loads(line) for line in calls.read_text().splitlines())
     app = profiled.index(str(stand_in))  # ncu's options, then the profiled command
     assert profiled[app + 1:app + 4] == ["bench.py", "--sweep", session_ncu_sweep()]
-    assert " ".join(profiled[:2]) == "--clock-control none" and "regex:^(attention_|mlp_)" in profiled[:app]
+    assert " ".join(profiled[:2]) == "--clock-control none" and "regex:^(attention_|mlp_|dc_)" in profiled[:app]
     assert profiled_env["XLA_FLAGS"] == "--mine --xla_gpu_enable_command_buffer="
     assert page[:2] == ["--import", profiled[profiled.index("--export") + 1] + ".ncu-rep"] and "ncu-page" in r.stdout
 
@@ -1837,7 +1837,8 @@ def session_ncu_sweep() -> str:
     import train_gpt as tg
     from bench import tuning_name
     return ",".join(tuning_name(k, t) for k, t in (("fwd", tg.PALLAS_FWD), ("dq", tg.PALLAS_DQ),
-                                                   ("up", tg.PALLAS_MLP_UP), ("dpre", tg.PALLAS_MLP_DPRE)))
+                                                   ("up", tg.PALLAS_MLP_UP), ("dpre", tg.PALLAS_MLP_DPRE),
+                                                   ("dc", tg.PALLAS_DC)))
 
 
 def test_the_ncu_piece_profiles_the_kernels_default_tunings():

@@ -36,11 +36,12 @@
 #                          # (its passes with fewer instructions since 2026-11-28), against call 1's Pallas head
 #                          # in the same session (all three calls run matmul's bf16 GEMM outputs and the head
 #                          # GEMM's bf16 logits for the first time: tests/gpu/README.md)
-#   SWEEP=up:128x256x128/8/3,up:128x128x128/8/3,up:256x128x128/8/3,dpre:128x256x64/8/3,dpre:128x128x64/8/3,dq:64/8/2,dq:64/8/3,dkv:64/8/4 OUT=$OUT/s BUDGET_S=150 \
+#   SWEEP=up:128x256x128/8/3,up:128x128x128/8/3,up:256x128x128/8/3,dpre:128x256x64/8/3,dpre:128x128x64/8/3,dq:64/8/2,dq:64/8/3,dkv:64/8/4,dc:16/4/1,dc:16/8/1 OUT=$OUT/s BUDGET_S=150 \
 #       tests/gpu/session.sh sweep
 #                          # call 4 if budget_left_s - 40 holds it: the MLP kernels' tiles, the reference's against
 #                          # 128 x 128, whose registers let two programs share a multiprocessor (tests/gpu/aot.py
-#                          # --sweep), and the attention backward's stages (64/8/3, 64/8/4 fastest once, 2026-11-27)
+#                          # --sweep), the attention backward's stages (64/8/3, 64/8/4 fastest once, 2026-11-27)
+#                          # and the DC correction's kernels at 4 and 8 warps (never run on a GPU yet)
 #   MLP=xla HEAD=xla XLA_FLAGS=--xla_gpu_enable_command_buffer= OUT=$OUT/nocmdbuf tests/gpu/session.sh short-xla
 #                                                     # bisecting a crash: the environment passes through
 #
@@ -82,7 +83,8 @@
 #   ncu             Nsight Compute's counters of the Pallas kernels at their defaults (NCU_SWEEP, below)
 #                   and the record's last-stage chunk: bench.py --sweep NCU_SWEEP, one call each, under
 #                   ncu (NCU: its path) with --clock-control none, XLA's command buffers off, kernels
-#                   matching ^(attention_|mlp_), their first 20 launches: where each kernel's time goes
+#                   matching ^(attention_|mlp_|dc_), their first 30 launches (the sweep makes 23: two calls
+#                   a row, the attention rows at two windows, dq's with one forward first): where each kernel's time goes
 #                   (speed of light, pipes, occupancy, warp stalls, instruction mix), which the profile's
 #                   times cannot say (attention at 11-17% of the tensor cores, mlp_up at about half of
 #                   cuBLAS's FP8 rate); the report in ncu.ncu-rep, its details page as text in
@@ -119,8 +121,8 @@ SWEEP_DEFAULT=fwd:128/8/2,fwd:128/8/3,fwd:64/8/3,fwd:64/8/4,dq:64/8/2,dq:64/8/3,
 SWEEP_DEFAULT+=,up:128x256x128/8/3,up:128x256x128/8/4,up:256x128x128/8/3,up:128x128x128/8/3,up:128x128x128/8/4
 SWEEP_DEFAULT+=,dpre:128x256x64/8/3,dpre:128x256x64/8/4,dpre:128x128x64/4/4,dpre:128x128x64/8/3,dpre:128x256x32/8/4
 SWEEP_DEFAULT+=,dc:16/4/1,dc:16/8/1
-# the kernels' defaults (train_gpt.PALLAS_FWD, _DQ with _DKV, _MLP_UP, _MLP_DPRE; a test checks them)
-NCU_SWEEP=${NCU_SWEEP:-fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x256x64/8/3}
+# the kernels' defaults (train_gpt.PALLAS_FWD, _DQ with _DKV, _MLP_UP, _MLP_DPRE, _DC; a test checks them)
+NCU_SWEEP=${NCU_SWEEP:-fwd:128/8/2,dq:64/8/2,up:128x256x128/8/3,dpre:128x256x64/8/3,dc:16/4/1}
 # ncu: NCU, else on PATH, else the newest under /opt/nvidia/nsight-compute (the image's)
 NCU=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)}
 BUDGET_S=${BUDGET_S:-540}
@@ -228,7 +230,7 @@ for p in "$@"; do
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$RUN/sweep.txt" ;;
         ncu)  # the counters replay each kernel many times: one call each, unpreallocated memory for the replays
             piece ncu 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
-                "${NCU:-ncu}" --clock-control none -k "regex:^(attention_|mlp_)" --launch-count 20 \
+                "${NCU:-ncu}" --clock-control none -k "regex:^(attention_|mlp_|dc_)" --launch-count 30 \
                 --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                 --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
                 --section InstructionStats --export "$RUN/ncu" --force-overwrite \
