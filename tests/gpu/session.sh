@@ -77,15 +77,15 @@
 #                   CACHE: the table in bench.txt; CACHE is the call's pallas cache (after short-pallas:
 #                   its programs loaded, not compiled again; the compile line says how many) (limit 540 s)
 #   sweep           python3 bench.py --sweep $SWEEP: the Pallas kernels' tiles, warps and stages at
-#                   the record's last-stage chunk (attention and the MLP's), a row each, the median of
+#                   the record's last-stage chunk (attention's, the MLP's, the DC correction's), a row each, the median of
 #                   3 rounds (every row timed once a round), in sweep.txt
 #                   (default: SWEEP_DEFAULT below)                                        (limit 540 s)
 #   ncu             Nsight Compute's counters of the Pallas kernels at their defaults (NCU_SWEEP, below)
 #                   and the record's last-stage chunk: bench.py --sweep NCU_SWEEP, one call each, under
 #                   ncu (NCU: its path) with --clock-control none, XLA's command buffers off, kernels
-#                   matching ^(attention_|mlp_|dc_), their first 30 launches (the sweep makes 23: two calls
-#                   a row, the attention rows at two windows, dq's with one forward first): where each kernel's time goes
-#                   (speed of light, pipes, occupancy, warp stalls, instruction mix), which the profile's
+#                   matching ^(attention_|mlp_|dc_), their first 30 launches (the sweep makes 23: two
+#                   calls a row, the attention rows at two windows, dq's after one forward): where each
+#                   kernel's time goes (speed of light, pipes, occupancy, warp stalls, instruction mix), which the profile's
 #                   times cannot say (attention at 11-17% of the tensor cores, mlp_up at about half of
 #                   cuBLAS's FP8 rate); the report in ncu.ncu-rep, its details page as text in
 #                   ncu-page.log                                                 (limit 240 s + 60 s)
