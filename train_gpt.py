@@ -684,11 +684,13 @@ def _from_two_blocks(g):
     return jnp.roll(g[:, :, :B], -1, axis=0) + g[:, :, B:]
 
 
-def _dc_mix(p, w1_TxH, w2_TxH):
-    """(a = Σ_g w1_g·p_g (N x B x 2B), w1 and w2 as N x H x B, fp32)."""
+def _dc_mix(p, w1_TxH, w2_TxH, dtype):
+    """(a = Σ_g w1_g·p_g (N x B x 2B, fp32), each head's weights c_h = w2_h·a rounded to dtype (N x H x B x 2B),
+    w1 and w2 as N x H x B, fp32)."""
     N, H, B, _ = p.shape
     w1, w2 = (f32(w).reshape(N, B, H).transpose(0, 2, 1) for w in (w1_TxH, w2_TxH))
-    return jnp.einsum("ngq,ngqk->nqk", w1, p), w1, w2
+    a = jnp.einsum("ngq,ngqk->nqk", w1, p)
+    return a, (w2[..., None] * a[:, None]).astype(dtype), w1, w2
 
 
 @jax.custom_vjp
@@ -699,8 +701,7 @@ def dc_correction(q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH, scale):
     written out, rounding where the reference's kernels do (autodiff would round dc_h, the cotangent of a
     bf16 value, and keep ds in fp32)."""
     q, k, v = _blocks(q_TxHxK), _blocks(k_TxHxK), _blocks(v_TxHxK)
-    a, _, w2 = _dc_mix(_dc_probs_xla(q, k, docs_T, scale), w1_TxH, w2_TxH)
-    cw = (w2[..., None] * a[:, None]).astype(v.dtype)  # N x H x B x 2B
+    _, cw, _, _ = _dc_mix(_dc_probs_xla(q, k, docs_T, scale), w1_TxH, w2_TxH, v.dtype)
     return _unblocks(jnp.einsum("nhqk,nhkd->nhqd", cw, _two_blocks(v), preferred_element_type=F32))
 
 
@@ -713,9 +714,8 @@ def _dc_correction_bwd(res, dout_TxHxK):
     q, k, v, dout = (_blocks(x) for x in (q_TxHxK, k_TxHxK, v_TxHxK, dout_TxHxK.astype(BF16)))
     N, H, B, K = q.shape
     p = _dc_probs_xla(q, k, docs_T, scale)
-    a, w1, w2 = _dc_mix(p, w1_TxH, w2_TxH)
+    a, cw, w1, w2 = _dc_mix(p, w1_TxH, w2_TxH, v.dtype)
     dc = jnp.einsum("nhqd,nhkd->nhqk", dout, _two_blocks(v), preferred_element_type=F32)
-    cw = (w2[..., None] * a[:, None]).astype(v.dtype)
     dv = _from_two_blocks(jnp.einsum("nhqk,nhqd->nhkd", cw, dout, preferred_element_type=F32))
     dw2 = jnp.sum(dc * a[:, None], axis=-1)
     da = jnp.einsum("nhq,nhqk->nqk", w2, dc)
