@@ -514,7 +514,8 @@ def ptx_instruction(line: str) -> list:
 
 def instruction_count(body: str) -> tuple:
     """(instructions, ex2 among them) in a kernel's PTX (kernel_bodies'), as ptx_instruction finds them after
-    the .entry line; static, so a loop's body counts once."""
+    the .entry line; static, so a loop's body counts once, and every path of a branch, though a thread runs
+    one (a fused concatenate of N arrays: N of them, as in the banks' gradient sums, which their bytes bound)."""
     ops = [words[0] for line in body.split("\n")[1:] if (words := ptx_instruction(line))]
     return len(ops), sum(op.startswith("ex2.") for op in ops)
 
