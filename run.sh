@@ -69,6 +69,13 @@ in options start there.
 EOF
 fi
 
+# Processes started at once on one machine (one per GPU under SLURM, or two by hand: README.md) set up
+# and get data one at a time: two pip installs into one environment at once can break it. (Released
+# before training: fd 9 closed.)
+if command -v flock >/dev/null 2>&1; then
+    exec 9>.run_sh.lock
+    flock 9
+fi
 if [ -z "${VIRTUAL_ENV:-}" ]; then
     [ -x .venv/bin/python ] || python3 -m venv .venv
     # shellcheck disable=SC1091
@@ -108,6 +115,7 @@ if [ "${1:-}" = "test" ]; then
     shift
     pip_once -r tests/requirements.txt
     export HF_HUB_OFFLINE=1
+    exec 9>&-
     exec python -m pytest -q -n 2 --dist load --maxschedchunk 1 tests "$@"  # two workers (tests/requirements.txt says why);
     # load, one test at a time: the tests in order (the heavy ones first: conftest) to the workers as
     # they free up (each keeps one queued), so that no long test ends alone
@@ -168,6 +176,7 @@ EOF
     data_flags=(--train-files 'data/synthetic/synthetic_train_*.bin' --val-files 'data/synthetic/synthetic_val_*.bin')
 fi
 
+exec 9>&-
 if [ "$attempt" = 1 ]; then
     exec python records/attempt.py "${data_flags[@]}" "$@"
 fi

@@ -69,6 +69,7 @@ AUTO_FIELDS = ("attention", "mlp", "head")  # the flags whose default, auto, pic
 # a short run pass with them.
 AUTO_ON_GPU = {"attention": "pallas", "mlp": "pallas", "head": "xla"}
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
+COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt_jax")  # --compile-cache-dir's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,44 +96,44 @@ RECORD_STAGES = (  # three thirds of the scheduled steps, then the extension (st
 @dataclasses.dataclass(frozen=True)
 class Hyperparameters:
     # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # the train shards, a glob, read in sorted order
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"  # the validation shards, a glob
+    val_tokens: int = 10_485_760  # the tokens each validation reads (from the start of the val shards)
     val_batch_size: int = 4 * 64 * 1024 * 8  # validation tokens per step over the 8 reference ranks
     bos_id: int = BOS  # the token that starts every document (<|endoftext|> of GPT-2 shards)
     # model (layers and heads are fixed: NUM_LAYERS, NUM_HEADS)
-    vocab_size: int = 50257  # padded to a multiple of 128 (50304)
+    vocab_size: int = 50257  # token ids are below it; the head pads it to a multiple of 128 (50304)
     head_dim: int = 128  # model_dim = 6 x head_dim
     attention: str = "xla"  # with the DC correction: "xla" (pure JAX) or "pallas" (Triton kernels; interpreted on CPU)
     mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" (XLA's GEMMs and passes) or "pallas" (fused epilogues)
     head: str = "xla"  # the FP8 head's softcap, normaliser and gradient after cuBLAS's GEMM: "xla" or "pallas"
     # (the command line's default for these three, auto, picks by backend: auto_implementation)
-    bigram_vocab_size: int = 50304 * 15 // 2  # hash buckets; the last one is position 0's
-    bigram_sign_rows: int = 8192
+    bigram_vocab_size: int = 50304 * 15 // 2  # the bigram embedding's hash buckets; the last is position 0's
+    bigram_sign_rows: int = 8192  # rows of the random +-1 table the bigram embedding is multiplied by
     # schedule
     stages: tuple = RECORD_STAGES
-    num_scheduled_iterations: int = 1270
-    num_extension_iterations: int = 15
+    num_scheduled_iterations: int = 1270  # the three stages' steps (thirds), the lr schedule's length
+    num_extension_iterations: int = 15  # then these steps (the extension stage), the lr at its final value
     cooldown_frac: float = 0.6  # the lr multiplier falls linearly to final_lr_mul over this last part
-    final_lr_mul: float = 0.15
+    final_lr_mul: float = 0.15  # the lr multiplier at the end of the scheduled steps
     split_embed_stage: int = 2  # embed and lm_head are untied from this stage's first odd step
     final_window_long: int = 20  # long window (blocks) of the last validation, without a YaRN update
-    muon_momentum_warmup_steps: int = 300  # 0.85 -> 0.95 over these steps ...
-    muon_momentum_cooldown_steps: int = 50  # ... and back to 0.85 over the last ones
+    muon_momentum_warmup_steps: int = 300  # NorMuon's momentum rises from 0.85 to 0.95 over these first steps
+    muon_momentum_cooldown_steps: int = 50  # NorMuon's momentum falls back to 0.85 over these last steps
     fp8_bootstrap_steps: int = 16  # the down projection's weight scales are re-measured before these steps
     # optimizer
-    adam_lr: float = 0.008
-    adam_eps: float = 1e-10
-    adam_wd: float = 0.005
-    muon_lr: float = 0.023
-    muon_beta2: float = 0.9
-    muon_wd: float = 1.2
+    adam_lr: float = 0.008  # Adam's lr (tables, head, gates, scalars) x PARAM_TABLE's and the stage's lr_mul
+    adam_eps: float = 1e-10  # Adam's epsilon
+    adam_wd: float = 0.005  # Adam's weight decay, times PARAM_TABLE's wd_mul
+    muon_lr: float = 0.023  # NorMuon's lr (the attention and MLP banks) x the stage's lr_mul
+    muon_beta2: float = 0.9  # NorMuon's decay of its second-moment estimate
+    muon_wd: float = 1.2  # NorMuon's cautious weight decay
     # evaluation, logging, compilation
-    val_loss_every: int = 250  # 0: only at the end
+    val_loss_every: int = 250  # validate every this many steps (0: only at the end)
     intermediate_val_tokens: int = 0  # validations before the last read only the first this many (0: --val-tokens)
-    seed: int = 0
-    records_dir: str = "records"
-    compile_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt_jax")  # "" = off
+    seed: int = 0  # of the initial weights (the data's order does not depend on it)
+    records_dir: str = "records"  # the folder of the run's log
+    compile_cache_dir: str = COMPILE_CACHE  # XLA's compiled programs, kept for later runs ("" = off)
 
     def __post_init__(self):
         problems = [message for ok, message in [
@@ -142,24 +143,29 @@ class Hyperparameters:
              f"--num-scheduled-iterations {self.num_scheduled_iterations} must be at least 3 (three stages)"),
             (self.num_extension_iterations >= 0,
              f"--num-extension-iterations {self.num_extension_iterations} must be >= 0"),
-            (0 < self.cooldown_frac <= 1, f"--cooldown-frac {self.cooldown_frac} must be in (0, 1]"),
+            (0 < self.cooldown_frac <= 1
+             and int(self.num_scheduled_iterations * (1 - self.cooldown_frac)) < self.num_scheduled_iterations,
+             f"--cooldown-frac {self.cooldown_frac} must be in (0, 1] and cover at least one of the "
+             f"{self.num_scheduled_iterations} scheduled steps"),
             (len(self.stages) == 4, "four stages: three scheduled thirds and the extension"),
             (self.attention in ("xla", "pallas"), f"--attention {self.attention!r}: choose xla or pallas"),
             (self.mlp in GEMM_IMPLEMENTATIONS, f"--mlp {self.mlp!r}: choose xla or pallas"),
             (self.head in GEMM_IMPLEMENTATIONS, f"--head {self.head!r}: choose xla or pallas"),
             (0 <= self.bos_id < self.vocab_size,
              f"--bos-id {self.bos_id} must be a token id below --vocab-size {self.vocab_size}"),
-            *[(s.batch_size % (8 * 16) == 0 and s.max_seq_len > 0,
-               f"stage {k}: batch {s.batch_size} must split into 8 ranks of a multiple of 16 tokens")
+            *[(s.batch_size > 0 and s.batch_size % (RANKS * BLOCK) == 0 and s.max_seq_len > 0,
+               f"stage {k}: batch {s.batch_size} must split into 8 ranks of a multiple of {BLOCK} tokens "
+               f"(attention's blocks): a positive multiple of {RANKS * BLOCK}")
               for k, s in enumerate(self.stages)],
-            (self.val_batch_size % (8 * 16) == 0 and self.val_batch_size > 0 and self.val_tokens > 0
+            (self.val_batch_size % (RANKS * BLOCK) == 0 and self.val_batch_size > 0 and self.val_tokens > 0
              and self.val_tokens % self.val_batch_size == 0,
              f"--val-tokens {self.val_tokens} must be a positive multiple of --val-batch-size {self.val_batch_size}, "
-             f"itself a positive multiple of 128"),
+             f"itself a positive multiple of {RANKS * BLOCK} (8 ranks of {BLOCK}-token blocks)"),
             (self.vocab_size > 0, f"--vocab-size {self.vocab_size} must be positive"),
             (self.bigram_vocab_size >= 2 and self.bigram_sign_rows >= 1,
              f"--bigram-vocab-size {self.bigram_vocab_size} must be at least 2 and --bigram-sign-rows "
              f"{self.bigram_sign_rows} at least 1"),
+            (0 <= self.seed < 2**32, f"--seed {self.seed} must be in [0, 2**32)"),
             (self.val_loss_every >= 0, f"--val-loss-every {self.val_loss_every} must be >= 0 (0: only at the end)"),
             (self.intermediate_val_tokens == 0 or (self.intermediate_val_tokens % self.val_batch_size == 0
                                                    and 0 < self.intermediate_val_tokens <= self.val_tokens),
@@ -2406,11 +2412,12 @@ def read_shard_header(path: str) -> int:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(SHARD_HEADER_BYTES), "<i4")
+            head = f.read(SHARD_HEADER_BYTES)
     except OSError as e:
         raise DataError(f"cannot read shard {path}: {e.strerror}") from None
-    if size < SHARD_HEADER_BYTES:
+    if size < SHARD_HEADER_BYTES or len(head) < SHARD_HEADER_BYTES:
         raise DataError(f"{path} is {size} bytes, shorter than the {SHARD_HEADER_BYTES}-byte shard header: {SHARD_FIX}")
+    header = np.frombuffer(head, "<i4")
     if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
         raise DataError(f"{path} is not a version-{SHARD_VERSION} token shard (magic {header[0]}, version "
                         f"{header[1]}; expected {SHARD_MAGIC}, {SHARD_VERSION}): {SHARD_FIX}")
@@ -2827,6 +2834,15 @@ def make_val_step(hp: Hyperparameters, mesh):
 RULE = "=" * 100  # records/logs.py has the same rule (a test checks)
 
 
+def console_print(text: str) -> None:
+    """print, where a console that is gone is not the run's error: the reader of a pipe (`| tee`) killed by
+    the same Ctrl-C would otherwise stop the run before its record's last lines. Later lines go nowhere."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 class RecordLog:
     """The record file (line-buffered, never overwritten) and the console; only process 0 has one."""
 
@@ -2836,8 +2852,8 @@ class RecordLog:
 
     def write(self, text: str, console_note: str = "") -> None:
         """A line in the record and on the console; console_note (an ETA, say) goes to the console only."""
-        print(text + console_note, flush=True)
         self.file.write(text + "\n")
+        console_print(text + console_note)
 
     def close(self):
         self.file.close()
@@ -2944,6 +2960,37 @@ class Interrupted(BaseException):
     """SIGINT/SIGTERM; a BaseException, like KeyboardInterrupt, so no library's `except Exception` eats it."""
 
 
+class StopRequests:
+    """Where a run stops on a signal. train's handler appends the signal's name to `signals`; run_steps asks
+    at(step) before each step. One process stops before its next step. Several must stop before the same
+    step, or the others wait in that step's collectives for ever; yet each may see the signal at another
+    step, or only one may see it. So the first process to see a signal posts "its step + 2" in JAX's
+    coordination service, and every process stops before the first step a post names (past the last step:
+    they all end the run as usual). Two steps suffice: a process reads step k's loss before it asks at step
+    k + 2, that read waits until every process has dispatched step k, and the poster posts first. (A lookup
+    a step: 0.26 ms on one machine's loopback, 2 CPU cores, in the host's time, which runs a step ahead.)"""
+
+    PREFIX = "train_gpt/stop/"
+
+    def __init__(self):
+        self.signals = []
+        self.posted = False
+
+    def at(self, step: int):
+        """The signal's name if the run stops before this step, else None."""
+        if jax.process_count() == 1:
+            return self.signals[0] if self.signals else None
+        from jax._src import distributed  # the coordination service's key-value store (no public API yet)
+
+        board = distributed.global_state.client
+        if self.signals and not self.posted:
+            board.key_value_set(f"{self.PREFIX}{jax.process_index()}", f"{step + 2} {self.signals[0]}")
+            self.posted = True
+        posts = sorted((int(at), name) for _, post in board.key_value_dir_get(self.PREFIX)
+                       for at, name in [post.split()])
+        return posts[0][1] if posts and posts[0][0] <= step else None
+
+
 def interruption(e: BaseException):
     """The Interrupted that e is or comes from, else None. The signal handler raises it wherever Python runs
     next, which may be a callback from C code: that code then fails with an exception of its own, caused by
@@ -3003,30 +3050,33 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
     gpt2_vocab()
     train_files = shard_files(hp.train_files, "--train-files")
     val_files = shard_files(hp.val_files, "--val-files")
-    for path in train_files + val_files:  # an embedding lookup past the table would silently clamp
+    reached = 0  # the train shards the run's steps read (FineWeb's 103 are 20 GB; the record reads 5)
+    for _, docs in zip(range(hp.total_steps), train_docs(hp, train_files)):  # DataError where they run out
+        reached = docs.shard + 1
+    for path in train_files[:reached] + val_files:  # an embedding lookup past the table would silently clamp
         tokens = open_shard(path)
         largest = int(tokens.max()) if tokens.size else -1
         if largest >= hp.vocab_size:
             raise DataError(f"{os.path.abspath(path)} holds token id {largest}, but --vocab-size is "
                             f"{hp.vocab_size}: raise --vocab-size (GPT-2 shards need {BOS + 1}) or use other shards")
-    for _ in zip(range(hp.total_steps), train_docs(hp, train_files)):  # DataError where they run out
-        pass
     val_batches = [(c.inputs[rows], c.targets[rows]) for c in val_chunks(hp, val_files)]
     if init_path and not os.path.isfile(init_path):
         raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
-    check_outputs(hp.records_dir, save_path, create=True)  # last: the only check that creates anything
+    check_outputs(hp.records_dir, save_path, hp.compile_cache_dir, create=True)  # last: the only one that creates
     return Inputs(train_files, val_batches, rows)
 
 
-def check_outputs(records_dir: str, save_path: str = None, create: bool = False) -> None:
-    """Raises ConfigError unless the log's folder (and --save-weights' file's) can be written: made
-    now (create, a run) or only looked at (--check: the nearest existing folder must let it be made)."""
+def check_outputs(records_dir: str, save_path: str = None, cache_dir: str = "", create: bool = False) -> None:
+    """Raises ConfigError unless the log's folder (and --save-weights' file's, and the compile cache's)
+    can be written: made now (create, a run) or only looked at (--check: the nearest existing folder
+    must let it be made). (JAX would only warn at each program it cannot cache, and compile them all.)"""
     if save_path and (os.path.isdir(save_path) or save_path.endswith(os.sep)):
         raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
     if not records_dir:
         raise ConfigError("--records-dir is empty: give the folder for the run's log, e.g. records")
     for path, flag in [(records_dir, "--records-dir"),
-                       (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights")]:
+                       (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights"),
+                       (cache_dir or None, "--compile-cache-dir")]:
         if path is None:
             continue
         path = existing = os.path.abspath(path)
@@ -3139,11 +3189,11 @@ def compile_steps(hp: Hyperparameters, mesh, params, buffers, opt_state, fp8, pr
 
 
 def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batches, val_batches, prefix_V,
-              stop=()):
+              stop: StopRequests = None):
     """The schedule: total_steps steps, validation every val_loss_every steps and at the end. Writes
-    the step and val lines; returns (state, final val loss, train ms). A signal's name in `stop` (a
-    list train's handler appends to) ends it before the next step as an Interrupted, which gets the
-    step it happened at (.step)."""
+    the step and val lines; returns (state, final val loss, train ms). A signal (`stop`, which train's
+    handler tells) ends it before a step as an Interrupted, which gets that step (.step)."""
+    stop = stop or StopRequests()
     N = hp.total_steps
     params, buffers, opt_state, fp8 = state
     validations = [s for s in range(N + 1) if s == N or (hp.val_loss_every and s % hp.val_loss_every == 0)]
@@ -3167,10 +3217,11 @@ def run_steps(hp: Hyperparameters, say, console, programs, val_step, state, batc
 
     try:
         for step in range(N + 1):
-            if stop:
+            signal_name = stop.at(step)
+            if signal_name:
                 if pending:  # the step on the devices gets its line: the log's last step line is the step named
                     finish(pending)
-                raise Interrupted(stop[0])
+                raise Interrupted(signal_name)
             if step in validations:
                 if pending:
                     finish(pending, pause=True)
@@ -3222,18 +3273,18 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
 
     def console(text):
         if main_process:
-            print(text, flush=True)
+            console_print(text)
 
-    previous, log, batches, trained, stop = {}, None, None, False, []
+    previous, log, batches, trained, stop = {}, None, None, False, StopRequests()
 
     def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
-        """Before training, stop at once; once the data thread runs, between steps (run_steps looks at
+        """Before training, stop at once; once the data thread runs, between steps (run_steps asks
         `stop`): an exception raised inside JAX's own code could leave it holding a lock the data
         thread then waits for, and the clean-up's join would hang."""
         name = signal.Signals(signum).name
         if batches is None:
             raise Interrupted(name)
-        stop.append(name)
+        stop.signals.append(name)
 
     def say(text, console_note=""):
         if log:
@@ -3253,7 +3304,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
 
         if main_process:
             log = RecordLog(new_log_path(hp.records_dir))
-            print(f"record log: {os.path.abspath(log.path)}", flush=True)  # records/attempt.py finds the log by it
+            console_print(f"record log: {os.path.abspath(log.path)}")  # records/attempt.py finds the log by it
             log_header(log, hp, preset)
         say(f"preset {preset}: {hp.total_steps} steps ({hp.num_scheduled_iterations} scheduled + "
             f"{hp.num_extension_iterations} extension), stages at {[b[0] for b in stage_bounds(hp)]}, batch "
@@ -3332,9 +3383,9 @@ def final_weights(state, hp: Hyperparameters) -> dict:
 
 # -----------------------------------------------------------------------------
 # 8 Several processes or hosts: jax.distributed with the coordinator given by flags or JAX_*
-# environment variables, or detected from SLURM / Open MPI. One process per host (all its GPUs) or
-# one per GPU both work: the mesh spans every process's devices, and each process loads only its
-# own virtual ranks.
+# environment variables, or detected from SLURM / Open MPI (then one process per GPU, JAX's rule). One
+# process per host (all its GPUs) or one per GPU both work: the mesh spans every process's devices, and
+# each process reads every step's batch and puts its own chunks on its devices.
 
 
 def distributed_settings(args):
@@ -3354,9 +3405,12 @@ def distributed_settings(args):
         except ValueError:
             raise ConfigError(f"the number of processes and the process id must be integers, got "
                               f"{given['num_processes']!r} and {given['process_id']!r}") from None
-        return {**given, "heartbeat_timeout_seconds": args.heartbeat_timeout}
+        # deactivate: JAX's cluster detection would otherwise, inside a SLURM or Open MPI job, give each process
+        # only the GPU of its local rank; a process given its peers by hand uses every GPU it sees
+        return {**given, "heartbeat_timeout_seconds": args.heartbeat_timeout, "cluster_detection_method": "deactivate"}
     if int(os.environ.get("SLURM_NTASKS", 1)) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
-        return {"heartbeat_timeout_seconds": args.heartbeat_timeout}  # JAX reads the cluster's variables
+        # JAX reads the cluster's variables: one process per GPU, the GPU of the process's local rank
+        return {"heartbeat_timeout_seconds": args.heartbeat_timeout}
     return None
 
 
@@ -3368,11 +3422,13 @@ def start_distributed(settings) -> None:
 
 
 def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:
-    """Every process must train the same configuration (else the compiled programs differ and hang)."""
+    """Every process must train the same configuration (else the compiled programs differ and hang); each
+    host's own folders (the log's, which only process 0 writes; the compile cache, under each $HOME) may differ."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        digest = np.frombuffer(uuid.uuid5(uuid.NAMESPACE_OID, preset + repr(hp)).bytes, np.uint8)
+        trained = dataclasses.replace(hp, records_dir="", compile_cache_dir="")
+        digest = np.frombuffer(uuid.uuid5(uuid.NAMESPACE_OID, preset + repr(trained)).bytes, np.uint8)
         multihost_utils.assert_equal(digest, "processes were started with different hyperparameters")
 
 
@@ -3407,6 +3463,7 @@ def parse_args(argv=None):
     launch.add_argument("--heartbeat-timeout", type=int, default=100,
                         help="seconds after which a silent process counts as dead and the others stop (100)")
     hyper = parser.add_argument_group("hyperparameters (defaults: those of the chosen preset)")
+    notes = field_notes()
     for field in FLAG_FIELDS:
         flag = "--" + field.name.replace("_", "-")
         if field.name in AUTO_FIELDS:
@@ -3423,6 +3480,7 @@ def parse_args(argv=None):
                                    f"awaits a GPU run: AUTO_ON_GPU; {flag} pallas takes them)"))
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
+        defaults = f"{notes[field.name]} {defaults}".replace("%", "%%") if field.name in notes else defaults
         if field.type in (bool, "bool"):
             hyper.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                help=defaults)
@@ -3496,6 +3554,12 @@ def with_stage_flags(hp: Hyperparameters, args) -> Hyperparameters:
 FLAG_FIELDS = [f for f in dataclasses.fields(Hyperparameters) if f.name != "stages"]
 
 
+def field_notes() -> dict:
+    """Each Hyperparameters field's comment in this file (`name: type = default  # note`): its --help."""
+    fields = SOURCE[SOURCE.index("class Hyperparameters:"):SOURCE.index("    def __post_init__")]
+    return dict(re.findall(r"^    (\w+): .*?  # (.*)$", fields, re.M))
+
+
 # The share of each GPU's memory JAX takes for its pool (XLA_PYTHON_CLIENT_MEM_FRACTION; the user's value
 # wins). At JAX's 75%, one H100 running the record preset stopped at its last stage's first step: a small
 # buffer left in the pool during stage 1 split the 61 GB free so that the last stage's 32.3 GiB of
@@ -3556,7 +3620,7 @@ def main(argv=None) -> int:
                 overrides.setdefault(name, auto_implementation(name))
         hp = with_stage_flags(dataclasses.replace(PRESETS[preset], **overrides), args)
         if args.check:
-            check_outputs(hp.records_dir, args.save_weights)
+            check_outputs(hp.records_dir, args.save_weights, hp.compile_cache_dir)
             return 0
         for what, value, chosen in [("preset", preset, args.preset is None),
                                     *((name, getattr(hp, name), getattr(args, name) in (None, "auto"))

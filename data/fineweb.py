@@ -10,8 +10,8 @@ is preceded by <|endoftext|> (50256) and documents are packed back to back acros
 shard is the val shard NAME_val_000000.bin, the rest NAME_train_000001.bin, ... Shards appear under
 their final names only when complete (an interrupted run leaves complete shards only), and the tool
 refuses an --out that already holds NAME_* shards (exit 2). Relative paths are relative to the
-current folder. Tokenizing uses all cores (--workers, in spawned processes). GPT-2's BPE files are
-fetched by tiktoken once (internet) and cached in TIKTOKEN_CACHE_DIR.
+current folder. Tokenizing uses all cores (--workers, in spawned processes). GPT-2's BPE is read from
+data/gpt2.tiktoken, shipped with the repository, so tokenizing needs no network.
 """
 import argparse
 import glob
@@ -31,6 +31,10 @@ FINEWEB_REPO = "HuggingFaceFW/fineweb"
 SAMPLE_10BT_FILES = 14  # sample/10BT/000_00000.parquet .. 013_00000.parquet
 CHUNK_DOCS = 256  # documents per task handed to a worker
 OLD_SHARDS_FIX = "Delete them or choose another --out or --name."
+# GPT-2's token ranks: tiktoken's r50k_base file (this hash is the one tiktoken checks it by), the ranks of
+# its "gpt2" encoding too, which tiktoken would download from two other files.
+GPT2_RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2.tiktoken")
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
 def input_files(paths: list) -> list:
@@ -84,18 +88,18 @@ def read_documents(path: str, separator: str | None = None):
 
 
 def gpt2_encoding():
+    """tiktoken's GPT-2 encoding, built from the shipped ranks (tiktoken.get_encoding("gpt2") downloads them)."""
     import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
     try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # noqa: BLE001  (tiktoken raises network errors of several kinds)
-        raise SystemExit(
-            f"tiktoken could not load the GPT-2 BPE ({type(e).__name__}: {str(e)[:120]}...).\n"
-            f"tiktoken downloads its two files (vocab.bpe, encoder.json) from openaipublic.blob.core.windows.net "
-            f"once and caches them in TIKTOKEN_CACHE_DIR (default: <tmp>/data-gym-cache). Connect to the internet "
-            f"once, or set TIKTOKEN_CACHE_DIR to a copy of that cache from a machine where "
-            f"tiktoken.get_encoding('gpt2') has run."
-        ) from None
+        ranks = load_tiktoken_bpe(GPT2_RANKS, expected_hash=GPT2_RANKS_SHA256)
+    except (OSError, ValueError) as e:  # missing, or not the file the hash names
+        raise SystemExit(f"cannot read GPT-2's BPE ranks from {GPT2_RANKS} ({e}): restore the repository's file "
+                         f"(git checkout data/gpt2.tiktoken)") from None
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
 
 _worker_encoding = None  # set in each pool worker by _init_worker

@@ -93,7 +93,7 @@ def parse_args(argv):
         missing = [m for m in PLOT_EXTRAS if importlib.util.find_spec(m) is None]
         if missing:
             parser.error(f"--plot needs {' and '.join(missing)}, optional extras not installed here: pip install "
-                         f"matplotlib scipy, or leave --plot out (records/stats.py --plot draws it later)")
+                         f"{' '.join(missing)}, or leave --plot out (records/stats.py --plot draws it later)")
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--plot {args.plot}: {folder} is no folder this user can write to")

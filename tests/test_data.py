@@ -1,4 +1,5 @@
 """data/: the shard format, the downloader (offline), the tokenizer and the synthetic shards."""
+import fcntl
 import json
 import os
 import shutil
@@ -199,7 +200,7 @@ def test_an_invalid_download_is_reported_and_not_used(tmp_path):
 
 
 def byte_encoding():
-    """A byte-level BPE with no merges: needs no download, unlike GPT-2's."""
+    """A byte-level BPE with no merges: a document's tokens are its bytes, counts easy to foresee."""
     return tiktoken.Encoding(name="bytes", pat_str=r"""\S+|\s+""", mergeable_ranks={bytes([i]): i for i in range(256)},
                              special_tokens={"<|endoftext|>": EOT})
 
@@ -231,7 +232,7 @@ def test_tokenizer_layout_and_shard_split(tmp_path, workers):
 
 
 def test_tokenizer_cli_writes_shards_and_refuses_to_mix_with_old_ones(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(fineweb, "gpt2_encoding", byte_encoding)  # GPT-2's BPE is not downloadable offline
+    monkeypatch.setattr(fineweb, "gpt2_encoding", byte_encoding)  # tokens = bytes: the shards' sizes below
     (tmp_path / "docs").mkdir()
     for i in range(5):
         (tmp_path / "docs" / f"{i}.txt").write_text(f"document {i} " * 40)
@@ -349,13 +350,34 @@ def counts_of(seen, queries):
     return np.where(values[at] == queries, counts[at], 0)
 
 
-def test_missing_gpt2_bpe_fails_at_once_instead_of_respawning_workers(tmp_path, monkeypatch):
-    def offline():
-        raise SystemExit("tiktoken could not load the GPT-2 BPE")
+def test_gpt2_bpe_comes_from_the_shipped_ranks_without_network(tmp_path, monkeypatch):
+    """data/fineweb.py's GPT-2 encoding reads data/gpt2.tiktoken, not the network (any download fails here):
+    "Hello world" is [15496, 995] (the example of Hugging Face's GPT2Tokenizer documentation), <|endoftext|>
+    50256, 50257 tokens. A missing or altered file is named, with the fix."""
+    import requests
 
-    monkeypatch.setattr(fineweb, "gpt2_encoding", offline)
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"a download: {args}")
+
+    monkeypatch.setattr(requests, "get", no_network)
+    enc = fineweb.gpt2_encoding()
+    assert enc.encode_ordinary("Hello world") == [15496, 995] and enc.n_vocab == 50257
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT]
+    altered = tmp_path / "gpt2.tiktoken"
+    altered.write_bytes(Path(fineweb.GPT2_RANKS).read_bytes()[:-100])
+    for path in (tmp_path / "nowhere.tiktoken", altered):
+        monkeypatch.setattr(fineweb, "GPT2_RANKS", str(path))
+        with pytest.raises(SystemExit, match=f"cannot read GPT-2's BPE ranks from {path}.*git checkout"):
+            fineweb.gpt2_encoding()
+
+
+def test_missing_gpt2_bpe_fails_at_once_instead_of_respawning_workers(tmp_path, monkeypatch):
+    def missing():
+        raise SystemExit("cannot read GPT-2's BPE ranks")
+
+    monkeypatch.setattr(fineweb, "gpt2_encoding", missing)
     t0 = time.perf_counter()
-    with pytest.raises(SystemExit, match="GPT-2 BPE"):
+    with pytest.raises(SystemExit, match="GPT-2's BPE"):
         fineweb.tokenize_to_shards(["a document"] * 10, str(tmp_path), workers=2)
     assert time.perf_counter() - t0 < 10
 
@@ -426,3 +448,29 @@ def test_run_sh_runs_pip_only_when_the_requirements_changed(tmp_path):
         f.write("no-such-package-anywhere==1.0\n")
     r = run()
     assert r.returncode != 0 and len(list(venv.glob(".run_sh_pip_*"))) == 2  # failed: no stamp, pip again next time
+
+
+def test_run_sh_sets_up_one_process_at_a_time(tmp_path):
+    """Processes started at once on one machine (one per GPU under SLURM) take turns through run.sh's
+    set-up and data: one that holds its lock, as another run.sh in its pip install would, holds the next
+    back until it lets go."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ["run.sh", "requirements.txt"]:
+        shutil.copy2(ROOT / name, repo / name)
+    (repo / "plain.py").write_text("print('help')\n")
+    venv_bin = os.path.dirname(sys.executable)
+    env = dict(os.environ, VIRTUAL_ENV=os.path.dirname(venv_bin), PATH=venv_bin + os.pathsep + os.environ["PATH"],
+               PIP_NO_INDEX="1")
+    with open(repo / ".run_sh.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.Popen([str(repo / "run.sh"), "--script", "plain.py", "--help"], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(2)
+            waited = proc.poll() is None
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    out, err = proc.communicate(timeout=120)
+    assert waited, (out, err)
+    assert proc.returncode == 0 and out.rstrip().endswith("help"), err

@@ -2,6 +2,7 @@
 (jax.distributed, gloo CPU collectives on 127.0.0.1) train the same; and a dead process stops the
 others."""
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,6 +116,83 @@ for shape, axis, dtype in [((8, 6), 0, jnp.bfloat16), ((6, 8), 1, jnp.bfloat16),
     assert np.all(np.abs(np.asarray(out.astype(jnp.float32), np.float64) - want) <= tol), shape
 print("exchanged")
 """
+
+
+PROBE_VISIBLE_GPUS = """
+import sys
+import jax
+import train_gpt as tg
+args, _ = tg.parse_args(sys.argv[1:])
+tg.start_distributed(tg.distributed_settings(args))
+print("cuda visible devices:", jax.config.values["jax_cuda_visible_devices"])
+"""
+
+
+def test_a_process_given_its_peers_by_hand_keeps_every_gpu_inside_a_slurm_job():
+    """Inside a SLURM job (its variables set), JAX's cluster detection gives a process the GPU of its local
+    rank only, even with the coordinator, count and id given; a process given them by hand (two processes of
+    4 GPUs on one machine, say) must keep all it sees. Read from JAX's setting, as a CPU can show it."""
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_LOCALID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+             "SLURM_STEP_NODELIST": "localhost"}
+    by_hand = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "1", "--process-id", "0"]
+    out = subprocess.run([sys.executable, "-c", PROBE_VISIBLE_GPUS, *by_hand], cwd=ROOT, env={**os.environ, **slurm},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cuda visible devices: all" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.heavy(3)
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tiny_args, tmp_path):
+    """SIGINT to process 1 alone (a process may see a signal steps after the others, or alone): both stop
+    before the same step, two after the one process 1 was at, and exit 130; process 0's log ends as a
+    one-process run's does. Before, process 1 stopped and process 0 waited in the next step's collectives
+    for ever. 8 + 1 steps (the test shards hold 9): the stop comes before the last (the pair compiles once, as
+    above)."""
+    port = free_port()
+    procs = [launch(tiny_args, tmp_path / "r", 4, i, 2, port, share_compile=True,
+                    **{"--compile-cache-dir": tmp_path / "cache", "--num-scheduled-iterations": 8})
+             for i in range(2)]
+    try:
+        for line in procs[0].stdout:
+            if line.startswith("step:2/"):
+                break
+        procs[1].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=180) for p in procs]  # each reads its pipes: a full one cannot block it
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [130, 130], [err[-2000:] for _, err in outs]
+    (log_path,) = (tmp_path / "r").iterdir()
+    *_, before, last = log_path.read_text().rstrip().splitlines()
+    stopped_at = int(re.search(r"^interrupted at step (\d+) \(SIGINT\)$", last).group(1))
+    assert 4 <= stopped_at < 9 and before.startswith(f"step:{stopped_at}/9 "), (before, last)
+
+
+SAME_EVERYWHERE = """
+import dataclasses, sys
+import train_gpt as tg
+port, pid, seed = sys.argv[1:]
+args, _ = tg.parse_args(["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", pid])
+tg.start_distributed(tg.distributed_settings(args))
+hp = dataclasses.replace(tg.PRESETS["cpu"], seed=int(seed), records_dir=f"records{pid}", compile_cache_dir=f"/home/u{pid}")
+try:
+    tg.assert_same_everywhere(hp, "cpu")
+    print("same")
+except AssertionError as e:
+    print("refused:", e)
+"""
+
+
+def test_processes_must_train_the_same_hyperparameters_but_may_keep_their_own_folders():
+    """Two processes whose hyperparameters differ only in their host's folders (the log's, the compile cache
+    under each $HOME) train; a seed of their own is refused, in both."""
+    for seeds, verdict in [((0, 0), "same"), ((0, 1), "refused: processes were started with different hyper")]:
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, "-c", SAME_EVERYWHERE, str(port), str(pid), str(seed)], cwd=ROOT,
+                                  env=host_devices_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for pid, seed in enumerate(seeds)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(verdict in out for out, _ in outs), [(out, err[-1500:]) for out, err in outs]
 
 
 def test_the_exchange_averages_over_the_chunks_and_splits_as_the_update():

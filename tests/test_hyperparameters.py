@@ -50,6 +50,11 @@ def test_presets_pass_their_own_rules():
     (["--val-loss-every", "-1"], "error: bad hyperparameters"),
     (["--stage-batch-sizes", "1024,1024"], "--stage-batch-sizes '1024,1024': give 4 comma-separated integers"),
     (["--stage-batch-sizes", "1000,1024,1024,1024"], "stage 0: batch 1000 must split into 8 ranks"),
+    # 8 chunks of 144 tokens: not whole 128-token attention blocks (XLA failed to reshape them at compile time)
+    (["--stage-batch-sizes", "1024,1152,1024,1024"], "stage 1: batch 1152 must split into 8 ranks of a multiple of 128"),
+    (["--val-batch-size", "1152", "--val-tokens", "1152"], "a positive multiple of 1024"),
+    (["--cooldown-frac", "1e-17"], "--cooldown-frac 1e-17 must be in (0, 1] and cover at least one"),
+    (["--seed", str(2**32)], "--seed 4294967296 must be in [0, 2**32)"),
     (["--stage-max-seq-lens", "128,x,128,128"], "--stage-max-seq-lens '128,x,128,128': give 4"),
     (["--stage-mtp-terms", "3,2,1"], "--stage-mtp-terms '3,2,1': give 4 comma-separated integers"),
     (["--stage-mtp-terms", "3,3,1,0"], "a stage keeps 1 up to its number of MTP weights (stage 1 has 2, stage 3 has 1)"),
@@ -142,3 +147,15 @@ def test_the_gpt2_vocabulary_is_found_next_to_the_script_or_in_the_current_folde
     monkeypatch.chdir(tmp_path)
     with pytest.raises(tg.DataError, match="data/gpt2.tiktoken"):
         tg.gpt2_vocab()
+
+
+def test_help_says_what_each_hyperparameter_is(capsys):
+    """Each Hyperparameters field's comment (`name: type = default  # note`) is its flag's --help, so every
+    field needs one; the presets' defaults follow it."""
+    notes = tg.field_notes()
+    assert [f.name for f in tg.FLAG_FIELDS if f.name not in notes] == []
+    with pytest.raises(SystemExit):
+        tg.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert f"--val-loss-every VAL_LOSS_EVERY {notes['val_loss_every']} (record: 250, cpu: 8)" in text
+    assert f"--compile-cache-dir COMPILE_CACHE_DIR {notes['compile_cache_dir']} (record:" in text

@@ -179,7 +179,7 @@ def test_bad_shards(tmp_path):
     good = tmp_path / "good.bin"
     write_shard(str(good), np.arange(100))
     raw = good.read_bytes()
-    cases = {"magic.bin": b"\0\0\0\0" + raw[4:], "short.bin": raw[:-2], "header.bin": raw[:100]}
+    cases = {"magic.bin": b"\0\0\0\0" + raw[4:], "short.bin": raw[:-2], "header.bin": raw[:100], "odd.bin": raw[:10]}
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
         with pytest.raises(tg.DataError, match=str(tmp_path / name)) as e:
@@ -199,7 +199,7 @@ def shard_variants(tmp_path, rng):
     write_shard(str(good), tokens)
     data = good.read_bytes()
     variants = {"good": data, "empty_tokens": None, "bad_magic": b"\x00" + data[1:], "bad_version": None,
-                "truncated": data[:-2], "trailing": data + b"\x00\x00", "tiny": data[:100], "missing": None}
+                "truncated": data[:-2], "trailing": data + b"\x00\x00", "tiny": data[:100], "ten_bytes": data[:10], "missing": None}
     header = np.frombuffer(data[:1024], "<i4").copy()
     header[1] = 2
     variants["bad_version"] = header.tobytes() + data[1024:]

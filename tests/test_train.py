@@ -1,5 +1,6 @@
 """§7 Whole runs of train_gpt.py: the record log, bad input, exit codes, interrupts, a bug's traceback,
 and --save-weights / --init-weights. Device-count invariance is in test_distributed."""
+import dataclasses
 import glob
 import os
 import re
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -54,7 +56,7 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces(tiny_hp
     program per MTP length (the tiny runs compile only the one-term program), each traced as
     lower_steps traces it (not lowered: the tiny runs lower theirs; not compiled: ~80 s of CPU), and
     takes that many MTP weights."""
-    hp = tg.dataclasses.replace(tiny_hp, stages=tuple(
+    hp = dataclasses.replace(tiny_hp, stages=tuple(
         tg.dataclasses.replace(s, mtp_start=full.mtp_start, mtp_end=full.mtp_end)
         for s, full in zip(tiny_hp.stages, tg.PRESETS["cpu"].stages)))
     params, buffers, opt_state, fp8, *_, prefix_V = train_step_args(hp, tg.init_params(hp, 0))
@@ -80,7 +82,7 @@ def test_the_pallas_kernels_are_in_the_train_program(tiny_hp):
     paired layers' doubled sequence, the others') and layer 10's DC correction's three once (traced, not
     compiled; xla: the test above)."""
     args = train_step_args(tiny_hp, tg.init_params(tiny_hp, 0))
-    hp = tg.dataclasses.replace(tiny_hp, mlp="pallas", head="pallas", attention="pallas")
+    hp = dataclasses.replace(tiny_hp, mlp="pallas", head="pallas", attention="pallas")
     jaxpr = str(tg.make_train_step(hp, tg.make_mesh()).trace(*args).jaxpr)
     # (each kernel twice: Triton for CUDA, interpreted elsewhere; the first counted)
     for name, count in (("mlp_up", tg.NUM_LAYERS), ("mlp_dpre", tg.NUM_LAYERS), ("head_softcap", 1), ("head_grad", 1),
@@ -199,11 +201,14 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
         overrides, expect = {"--val-tokens": 1024 * 1024}, "--val-tokens"
     elif case == "too_many_steps":  # 60,000 train tokens hold about 50 steps of 1,024
         overrides, expect = {"--num-scheduled-iterations": 500}, "the train shards ran out at step"
-    elif case == "vocab":  # the boundary: a vocabulary that just misses the shards' largest token id
-        largest = max(int(tg.open_shard(p).max()) for kind in ("--train-files", "--val-files")
-                      for p in glob.glob(synthetic_shards[kind]))
-        overrides, expect = ({"--vocab-size": largest, "--bos-id": 0},
-                             f"holds token id {largest}, but --vocab-size is {largest}")
+    elif case == "vocab":  # the boundary: a token id equal to --vocab-size, in a shard the run reads
+        for i, path in enumerate(sorted(glob.glob(synthetic_shards["--train-files"]))):  # the first made bad
+            tokens = np.array(tg.open_shard(path))
+            if i == 0:
+                tokens[len(tokens) // 2] = TINY_VOCAB
+            write_shard(str(tmp_path / f"bad_{i + 1:06d}.bin"), tokens)
+        overrides = {"--train-files": str(tmp_path / "bad_*.bin")}
+        expect = f"bad_000001.bin holds token id {TINY_VOCAB}, but --vocab-size is {TINY_VOCAB}"
     elif case == "records_dir":
         (tmp_path / "a_file").write_text("")
         overrides, expect = {"--records-dir": str(tmp_path / "a_file" / "records")}, "a_file is a file, not a folder"
@@ -218,10 +223,33 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
     assert not records.exists() or not any(records.iterdir())
 
 
+def test_token_ids_are_checked_in_the_shards_the_run_reads(tiny_hp, tmp_path):
+    """A token id past the vocabulary stops the run where its steps would read it (an embedding lookup past
+    the table would clamp silently), and not in a shard that matches --train-files but lies past the run's
+    last step (FineWeb's 103 shards are 20 GB, the record reads 5)."""
+    rng = np.random.default_rng()
+    good = rng.integers(0, TINY_VOCAB - 1, 30_000)
+    good[::rng.integers(100, 300)] = tiny_hp.bos_id  # documents, as the tiny run reads them (7 steps of 1,024)
+    bad = good.copy()
+    bad[rng.integers(bad.size)] = TINY_VOCAB  # one id past the table
+    write_shard(str(tmp_path / "val_000000.bin"), good[:2048])
+    mesh = tg.make_mesh(jax.devices()[:1])
+    for first, second, refused in [(good, bad, False), (bad, good, True)]:
+        write_shard(str(tmp_path / "train_000001.bin"), first)
+        write_shard(str(tmp_path / "train_000002.bin"), second)
+        hp = dataclasses.replace(tiny_hp, train_files=str(tmp_path / "train_*.bin"),
+                                 val_files=str(tmp_path / "val_*.bin"), records_dir=str(tmp_path / "records"))
+        if refused:
+            with pytest.raises(tg.DataError, match=f"train_000001.bin holds token id {TINY_VOCAB}, but --vocab-size"):
+                tg.check_inputs(hp, mesh)
+        else:
+            assert tg.check_inputs(hp, mesh).train_files[-1].endswith("train_000002.bin")
+
+
 def test_check_refuses_output_folders_that_cannot_be_written_and_makes_none(tiny_args, tmp_path, capsys,
                                                                            monkeypatch):
-    """--check (run.sh's before any data work) looks at --records-dir and --save-weights' folder as a run
-    would write them, without making them."""
+    """--check (run.sh's before any data work) looks at --records-dir, --save-weights' folder and
+    --compile-cache-dir as a run would write them, without making them."""
     (tmp_path / "a_file").write_text("kept")
     (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
 
@@ -234,11 +262,13 @@ def test_check_refuses_output_folders_that_cannot_be_written_and_makes_none(tiny
                               ({"--records-dir": ""}, "--records-dir is empty"),
                               ({"--save-weights": tmp_path / "a_file" / "w.npz"}, "a_file is a file, not a folder"),
                               ({"--save-weights": tmp_path}, "is a folder: give a file name"),
-                              ({"--save-weights": f"{tmp_path / 'out'}/"}, "is a folder: give a file name")]:
+                              ({"--save-weights": f"{tmp_path / 'out'}/"}, "is a folder: give a file name"),
+                              ({"--compile-cache-dir": tmp_path / "a_file"}, "--compile-cache-dir folder")]:
         code, err = check(**overrides)
         assert code == 2 and err.startswith("error: ") and expect in err, (overrides, err)
     new = tmp_path / "new" / "records"
-    assert tg.main([*tiny_args(new, **{"--save-weights": tmp_path / "new" / "w" / "w.npz"}), "--check"]) == 0
+    assert tg.main([*tiny_args(new, **{"--save-weights": tmp_path / "new" / "w" / "w.npz",
+                                       "--compile-cache-dir": tmp_path / "new" / "cache"}), "--check"]) == 0
     assert not (tmp_path / "new").exists() and (tmp_path / "a_file").read_text() == "kept"
     monkeypatch.setattr(tg.os, "access", lambda path, mode: False)  # (tests may run as root, who writes anywhere)
     code, err = check()
@@ -293,7 +323,7 @@ def test_the_eta_prices_the_steps_left_by_their_tokens():
 
 def test_validations_before_the_last_read_the_first_intermediate_val_tokens(tiny_hp):
     """run_steps with stand-in programs: each validation's batches and losses as they were read."""
-    hp = tg.dataclasses.replace(tiny_hp, val_tokens=4 * 1024, intermediate_val_tokens=1024, val_loss_every=3)
+    hp = dataclasses.replace(tiny_hp, val_tokens=4 * 1024, intermediate_val_tokens=1024, val_loss_every=3)
     val_batches = [(np.full(1, k), None) for k in range(4)]
     read, lines = [], []
 
@@ -321,12 +351,12 @@ def test_a_signal_during_training_ends_the_run_between_steps(tiny_hp):
     """train()'s handler only notes a signal once the data thread runs (an exception raised inside JAX's
     own code could leave a lock held that the thread waits for); run_steps stops before the next step,
     the step it was at on the Interrupted."""
-    stop, dispatched = [], []
+    stop, dispatched = tg.StopRequests(), []
 
     def train_step(params, buffers, opt_state, fp8, x, y, a, sv, bootstrap, prefix_V):
         dispatched.append(len(dispatched))
         if len(dispatched) == 2:
-            stop.append("SIGTERM")  # as if it came while step 2 ran
+            stop.signals.append("SIGTERM")  # as if it came while step 2 ran
         return params, opt_state, fp8, tg.jnp.asarray(1.0)
 
     programs = {tg.stage_shape(step, tiny_hp): train_step for step in range(tiny_hp.total_steps)}
@@ -392,7 +422,10 @@ def test_non_finite_loss_stops_and_closes_the_log(tiny_args, tiny_hp, run_train,
     assert before.startswith(f"step:{stopped_at - 1}/") or (stopped_at == 1 and "val_loss" in before), (before, last)
 
 
-def test_sigterm_ends_the_log_with_interrupted(tiny_args, tmp_path):
+@pytest.mark.parametrize("signum, console_gone", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_a_signal_ends_the_log_with_interrupted(signum, console_gone, tiny_args, tmp_path):
+    """console_gone: the run's stdout a pipe whose reader is gone first, as `train_gpt.py | tee` after a Ctrl-C
+    (tee dies of it too): the record still gets its last lines, and nothing is a traceback."""
     records = tmp_path / "records"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt.py"),
                              *tiny_args(records)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -400,14 +433,18 @@ def test_sigterm_ends_the_log_with_interrupted(tiny_args, tmp_path):
         for line in proc.stdout:  # wait until training runs (7 steps, ~4 s, before the end)
             if line.startswith("step:1/"):
                 break
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)  # reads both pipes: a full pipe cannot block the run's exit
-        assert proc.returncode == 143, out[-2000:] + err[-2000:]
+        if console_gone:
+            proc.stdout.close()  # the run's next line meets a broken pipe
+            proc.stdout = None  # (communicate then reads stderr only)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)  # reads the pipes: a full pipe cannot block the run's exit
+        assert proc.returncode == 128 + signum, (out or "")[-2000:] + err[-2000:]
+        assert "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]
     finally:
         proc.kill()
     (log_path,) = records.iterdir()
     *_, before, last = log_path.read_text().rstrip().splitlines()
-    assert last.startswith("interrupted at step ") and "SIGTERM" in last
+    assert last.startswith("interrupted at step ") and signal.Signals(signum).name in last
     # numbered as the step lines are: the line before is that step's (the one on the devices ends first)
     interrupted_at = re.search(r"at step (\d+)", last).group(1)
     assert before.startswith(f"step:{interrupted_at}/"), (before, last)
