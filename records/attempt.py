@@ -41,7 +41,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from records import stats  # noqa: E402
-from records.logs import LogError, parse_log  # noqa: E402
+from records.logs import LogError, expand, parse_log  # noqa: E402
 
 TRAIN_GPT = os.path.join(os.path.dirname(HERE), "train_gpt.py")
 LOG_LINE = re.compile(r"^record log: (.+)$")  # what train() prints once its log is open
@@ -84,7 +84,7 @@ def parse_args(argv):
                      f"environment ./run.sh made (source .venv/bin/activate first), or as ./run.sh --runs N ...")
     if args.against:
         try:  # now rather than after N runs
-            against = stats.expand(args.against, "--against")
+            against = expand(args.against, "--against")
             stats.load_runs(against, skip_incomplete=False, fix="name only finished runs' logs in --against")
         except LogError as e:
             parser.error(str(e))

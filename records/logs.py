@@ -12,10 +12,12 @@ parse_log(path) -> RunLog reads any log, finished or not; require_complete(run) 
 unless the run finished, because only finished runs have a final val loss and a total time.
 
   python records/logs.py LOG...   how each run ended, its time, and (ours) its step time by stage
+                                  (LOG: a log, a folder of them, or a glob)
 """
 import argparse
 import ast
 import dataclasses
+import glob
 import hashlib
 import json
 import operator
@@ -239,6 +241,24 @@ def _looks_like_a_script(lines: list) -> bool:
     return first.startswith(('"""', "'''", "#", "import ", "from "))
 
 
+def expand(patterns: list, flag: str) -> list:
+    """Log paths: a folder stands for its *.txt files, a pattern with * ? [ for its matches (sorted)."""
+    paths = []
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            found = sorted(glob.glob(os.path.join(pattern, "*.txt")))
+            why = f"the folder {os.path.abspath(pattern)} holds no .txt log"
+        elif any(c in pattern for c in "*?["):
+            found = sorted(glob.glob(pattern))
+            why = f"no file matches {os.path.abspath(pattern)}"
+        else:
+            found, why = [pattern], ""
+        if not found:
+            raise LogError(f"{flag}: {why}")
+        paths += found
+    return paths
+
+
 def parse_log(path: str) -> RunLog:
     try:
         with open(path, "rb") as f:
@@ -354,9 +374,13 @@ def _ranges(steps: list) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="How each run ended, its time and (ours) its step time by stage.")
-    parser.add_argument("logs", nargs="+", metavar="LOG")
+    parser.add_argument("logs", nargs="+", metavar="LOG", help="a log, a folder (its *.txt logs) or a glob")
     bad = 0
-    for path in parser.parse_args(argv).logs:
+    try:
+        paths = expand(parser.parse_args(argv).logs, "LOG")
+    except LogError as e:
+        parser.error(str(e))
+    for path in paths:
         try:
             run = parse_log(path)
         except LogError as e:

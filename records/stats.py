@@ -21,13 +21,12 @@ an optional extra (pip install scipy).
 """
 import argparse
 import collections
-import glob
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete,  # noqa: E402
+from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, expand, parse_log, require_complete,  # noqa: E402
                           synthetic_shards)
 
 TARGET, ALPHA = 3.28, 0.01  # the speedrun's rule: mean final val loss below 3.28 at p < 0.01
@@ -43,24 +42,6 @@ def probability(text: str) -> float:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"--alpha must be a number between 0 and 1 (got {text!r}), e.g. 0.01")
-
-
-def expand(patterns: list, flag: str) -> list:
-    """Log paths: a folder stands for its *.txt files, a pattern with * ? [ for its matches (sorted)."""
-    paths = []
-    for pattern in patterns:
-        if os.path.isdir(pattern):
-            found = sorted(glob.glob(os.path.join(pattern, "*.txt")))
-            why = f"the folder {os.path.abspath(pattern)} holds no .txt log"
-        elif any(c in pattern for c in "*?["):
-            found = sorted(glob.glob(pattern))
-            why = f"no file matches {os.path.abspath(pattern)}"
-        else:
-            found, why = [pattern], ""
-        if not found:
-            raise LogError(f"{flag}: {why}")
-        paths += found
-    return paths
 
 
 def t_test_less(values: list, target: float):

@@ -659,6 +659,9 @@ def test_the_tools_run_as_scripts_from_the_repo_root_without_jax(tmp_path):
                      r"  stage 0 \(\d[\d,]* tokens a step\): 100\.00 ms, \d+ tokens/s over steps 2-9, 12\n",
                      logs.stdout), logs.stdout
     assert "interrupted at step 20" in logs.stdout
+    folder = subprocess.run([sys.executable, "records/logs.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True)  # a folder stands for its logs, as in stats.py
+    assert folder.returncode == 0 and folder.stdout.count(": JAX train_gpt.py log") == 2, folder.stdout + folder.stderr
     probe = ("import sys; sys.argv = ['x', sys.argv[1], sys.argv[1]]; import records.compare as c, records.stats as s; "
              "c.main(); s.main(); assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
     nojax = subprocess.run([sys.executable, "-c", probe, good], cwd=ROOT, capture_output=True, text=True)
