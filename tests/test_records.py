@@ -118,6 +118,9 @@ def test_parse_log_reads_what_the_writer_wrote(tmp_path):
     assert run.train_steps[-1] == (40, 4000.0, 100.0) and len(run.train_steps) == 40
     assert run.compile_s == 12.3 and run.final_val_loss == curve[-1] and run.peak_memory_mib is None
     assert run.train_time_ms == 4000.0 and run.step_avg_ms == 100.0 and run.num_iterations == 40
+    # the summary's step_avg, from the run's unrounded total (4000.4 ms: the log's train_time says 4000)
+    odd = require_complete(parse_log(write_log(tmp_path / "b.txt", HP, curve, 100.01)))
+    assert odd.train_time_ms == 4000.0 and odd.step_avg_ms == 100.01
 
 
 def test_step_time_by_stage_leaves_out_first_last_and_validation_steps(tmp_path, capsys):
