@@ -71,10 +71,14 @@ fi
 
 # Processes started at once on one machine (one per GPU under SLURM, or two by hand: README.md) set up
 # and get data one at a time: two pip installs into one environment at once can break it. (Released
-# before training: fd 9 closed.)
+# before anything else runs: fd 9 closed. Where no lock can be had, it goes on without.)
 if command -v flock >/dev/null 2>&1; then
-    exec 9>.run_sh.lock
-    flock 9
+    if ! { exec 9>>.run_sh.lock; } 2>/dev/null; then
+        echo "run.sh: cannot open $(pwd)/.run_sh.lock: setting up without waiting for other run.sh processes" >&2
+    elif ! flock -n 9; then
+        echo "run.sh: another run.sh in $(pwd) is setting up or getting data: waiting for it ..." >&2
+        flock 9 || echo "run.sh: cannot lock $(pwd)/.run_sh.lock (no locks on this file system?): going on" >&2
+    fi
 fi
 if [ -z "${VIRTUAL_ENV:-}" ]; then
     [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -96,6 +100,9 @@ pip_once() {  # pip install ARGS, unless this environment already got exactly th
     fi
 }
 pip_once -r requirements.txt
+if [ "$help" = 1 ]; then
+    exec 9>&-
+fi
 if [ "$help" = 1 ] && [ "$attempt" = 1 ]; then
     exec python records/attempt.py --help
 elif [ "$help" = 1 ]; then

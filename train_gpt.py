@@ -2976,19 +2976,32 @@ class StopRequests:
         self.signals = []
         self.posted = False
 
+    @staticmethod
+    def _board():
+        from jax._src import distributed  # the coordination service's key-value store (no public API yet)
+
+        return distributed.global_state.client
+
+    def post(self, step: int, name: str) -> None:
+        if not self.posted:
+            self._board().key_value_set(f"{self.PREFIX}{jax.process_index()}", f"{step} {name}")
+            self.posted = True
+
     def at(self, step: int):
         """The signal's name if the run stops before this step, else None."""
         if jax.process_count() == 1:
             return self.signals[0] if self.signals else None
-        from jax._src import distributed  # the coordination service's key-value store (no public API yet)
-
-        board = distributed.global_state.client
-        if self.signals and not self.posted:
-            board.key_value_set(f"{self.PREFIX}{jax.process_index()}", f"{step + 2} {self.signals[0]}")
-            self.posted = True
-        posts = sorted((int(at), name) for _, post in board.key_value_dir_get(self.PREFIX)
+        if self.signals:
+            self.post(step + 2, self.signals[0])
+        posts = sorted((int(at), name) for _, post in self._board().key_value_dir_get(self.PREFIX)
                        for at, name in [post.split()])
         return posts[0][1] if posts and posts[0][0] <= step else None
+
+    def stopped_before_training(self, name: str) -> None:
+        """This process stops before its first step (its handler raised at once): the others stop there
+        too where they have not begun it. (One that has waits for it in a collective, and fails.)"""
+        if jax.process_count() > 1:
+            self.post(0, name)
 
 
 def interruption(e: BaseException):
@@ -3355,6 +3368,8 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         if interrupted is None:  # a bug or a device error: the log says so, the traceback goes on
             say(stopped_line(e))
             raise
+        if batches is None:  # the handler raised at once
+            stop.stopped_before_training(str(interrupted))
         if log:
             say(f"interrupted at step {getattr(interrupted, 'step', hp.total_steps if trained else 0)} ({interrupted})")
         else:
@@ -3556,7 +3571,7 @@ FLAG_FIELDS = [f for f in dataclasses.fields(Hyperparameters) if f.name != "stag
 
 def field_notes() -> dict:
     """Each Hyperparameters field's comment in this file (`name: type = default  # note`): its --help."""
-    fields = SOURCE[SOURCE.index("class Hyperparameters:"):SOURCE.index("    def __post_init__")]
+    fields = SOURCE.partition("class Hyperparameters:")[2].partition("\n    def ")[0]  # (none in an edited copy: {})
     return dict(re.findall(r"^    (\w+): .*?  # (.*)$", fields, re.M))
 
 
@@ -3626,8 +3641,8 @@ def main(argv=None) -> int:
                                     *((name, getattr(hp, name), getattr(args, name) in (None, "auto"))
                                       for name in AUTO_FIELDS)]:
             if chosen and jax.process_index() == 0:
-                print(f"{what} {value} (chosen because the JAX backend is {jax.default_backend()}; pass --{what} "
-                      f"to choose)", flush=True)
+                console_print(f"{what} {value} (chosen because the JAX backend is {jax.default_backend()}; pass "
+                              f"--{what} to choose)")
         enable_compile_cache(hp.compile_cache_dir)
         assert_same_everywhere(hp, preset)
         train(hp, preset, make_mesh(), args.init_weights, args.save_weights)

@@ -14,7 +14,9 @@ current folder. Tokenizing uses all cores (--workers, in spawned processes). GPT
 data/gpt2.tiktoken, shipped with the repository, so tokenizing needs no network.
 """
 import argparse
+import base64
 import glob
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -88,16 +90,21 @@ def read_documents(path: str, separator: str | None = None):
 
 
 def gpt2_encoding():
-    """tiktoken's GPT-2 encoding, built from the shipped ranks (tiktoken.get_encoding("gpt2") downloads them)."""
+    """tiktoken's GPT-2 encoding, built from the shipped ranks (tiktoken.get_encoding("gpt2") downloads them;
+    its own loader would also copy the file into its download cache)."""
     import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
     from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
     try:
-        ranks = load_tiktoken_bpe(GPT2_RANKS, expected_hash=GPT2_RANKS_SHA256)
-    except (OSError, ValueError) as e:  # missing, or not the file the hash names
-        raise SystemExit(f"cannot read GPT-2's BPE ranks from {GPT2_RANKS} ({e}): restore the repository's file "
-                         f"(git checkout data/gpt2.tiktoken)") from None
+        with open(GPT2_RANKS, "rb") as f:
+            contents = f.read()
+        problem = None if hashlib.sha256(contents).hexdigest() == GPT2_RANKS_SHA256 else "not the file it should be"
+    except OSError as e:
+        problem = e.strerror
+    if problem:
+        raise SystemExit(f"cannot read GPT-2's BPE ranks from {GPT2_RANKS} ({problem}): restore the repository's "
+                         f"file (git checkout data/gpt2.tiktoken)")
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in contents.splitlines())}
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 

@@ -49,6 +49,16 @@ INTERRUPTED = {128 + signal.SIGINT: signal.SIGINT, 128 + signal.SIGTERM: signal.
 PLOT_EXTRAS = ("matplotlib", "scipy")  # what stats.py --plot imports (not in requirements.txt)
 
 
+def say(text: str, file=None, end: str = "\n") -> None:
+    """print, where a console that is gone (the reader of a pipe, `| tee`, killed by the same Ctrl-C) is not
+    the attempt's error: the finished runs' verdict is still made and saved. Later lines there go nowhere."""
+    file = file or sys.stdout
+    try:
+        print(text, file=file, end=end, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
+
+
 def run_count(text: str) -> int:
     """argparse type of --runs."""
     if not text.isdigit() or int(text) < 1:
@@ -109,7 +119,7 @@ def has_check(script: str) -> bool:
 def script_check(script: str, script_args: list) -> int:
     """The script's own check of its options, where it has one: its exit code."""
     if not has_check(script):
-        print(f"{script} has no --check: its options are checked when it runs", flush=True)
+        say(f"{script} has no --check: its options are checked when it runs")
         return 0
     return subprocess.run([sys.executable, script, *script_args, "--check"]).returncode
 
@@ -151,8 +161,7 @@ def run_once(run: Run, command: list, stop: dict) -> None:
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     stop["child"] = child
     for line in child.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
+        say(line, end="")
         if m := LOG_LINE.match(line.rstrip("\n")):
             run.log = m[1]
     run.code = child.wait()
@@ -163,7 +172,7 @@ def run_once(run: Run, command: list, stop: dict) -> None:
         try:
             run.parsed = parse_log(run.log)
         except LogError as e:  # left out of the verdict, said here
-            print(f"attempt: {e}", flush=True)
+            say(f"attempt: {e}")
 
 
 def tally(runs: list, total: int) -> str:
@@ -216,8 +225,8 @@ def main(argv=None) -> int:
         return 0
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(1_000_000)
     command = f"python {shlex.join([shown(__file__), *argv])}" + ("" if args.seed is not None else f" --seed {base}")
-    print(f"attempt: {args.runs} run(s) of {shown(args.script)}, seeds {base}..{base + args.runs - 1}"
-          + ("" if args.seed is not None else f" (random; --seed {base} repeats them)"), flush=True)
+    say(f"attempt: {args.runs} run(s) of {shown(args.script)}, seeds {base}..{base + args.runs - 1}"
+        + ("" if args.seed is not None else f" (random; --seed {base} repeats them)"))
 
     stop = {"signal": None, "child": None}
 
@@ -235,19 +244,19 @@ def main(argv=None) -> int:
         run = Run(i + 1, base + i)
         runs.append(run)
         script_command = [sys.executable, args.script, *script_args, "--seed", str(run.seed)]
-        print(f"attempt: run {run.number} of {args.runs}, seed {run.seed}: "
-              f"{shlex.join([shown(args.script), *script_command[2:]])}", flush=True)
+        say(f"attempt: run {run.number} of {args.runs}, seed {run.seed}: "
+            f"{shlex.join([shown(args.script), *script_command[2:]])}")
         run_once(run, script_command, stop)
         if run.code == 2:  # no tally: this says what happened
-            print(f"attempt: stopped: run {run.number} exited 2 (bad flags or data, said above); every run would "
-                  f"fail the same way: fix it and start the attempt again", file=sys.stderr, flush=True)
+            say(f"attempt: stopped: run {run.number} exited 2 (bad flags or data, said above); every run would "
+                f"fail the same way: fix it and start the attempt again", file=sys.stderr)
             break
-        print(tally(runs, args.runs), flush=True)
+        say(tally(runs, args.runs))
         if run.code == 0 and not run.log:
-            print(f"attempt: stopped: {args.script} finished run {run.number} without printing a line "
-                  f"'record log: PATH', so its log cannot be found: it is probably a copy of train_gpt.py older "
-                  f"than records/attempt.py; copy train_gpt.py again, or print that line where train() opens "
-                  f"its log", file=sys.stderr, flush=True)
+            say(f"attempt: stopped: {args.script} finished run {run.number} without printing a line "
+                f"'record log: PATH', so its log cannot be found: it is probably a copy of train_gpt.py older "
+                f"than records/attempt.py; copy train_gpt.py again, or print that line where train() opens "
+                f"its log", file=sys.stderr)
             return 2
         if run.code in INTERRUPTED or run.interrupted:
             break
@@ -257,9 +266,9 @@ def main(argv=None) -> int:
         path = os.path.join(os.path.dirname(logged[0].log), f"attempt_{stamp}_{uuid.uuid4().hex[:8]}.verdict")
         with open(path, "x") as f:  # not .txt: a folder or glob of logs must not pick it up
             f.write(text)
-        print(f"\n{text}verdict saved to {shown(path)}", flush=True)
+        say(f"\n{text}verdict saved to {shown(path)}")
     else:
-        print("attempt: no run left a readable log: no verdict", flush=True)
+        say("attempt: no run left a readable log: no verdict")
     # runs is empty only when a signal came before the first run
     if signum := stop["signal"] or INTERRUPTED.get(runs[-1].code):
         return 128 + signum

@@ -583,3 +583,20 @@ def test_stats_plot_shows_each_run_the_target_and_the_means_with_intervals(tmp_p
     times = {line.get_label(): line for line in time_ax.lines}
     assert list(times["runs: 3 run(s)"].get_ydata()) == pytest.approx([4.0, 4.04, 4.08])
     assert "the JAX clock" in time_ax.get_title()
+
+
+def test_a_console_that_is_gone_does_not_stop_the_attempt(tmp_path, monkeypatch):
+    """`./run.sh --runs N | tee` and Ctrl-C: tee dies first, and the attempt's next line meets a broken pipe. The
+    run's output is still read to its end (its log found, the run waited for) and the attempt's own lines go
+    nowhere, where a BrokenPipeError had ended the attempt without its verdict."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone
+    console = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", console)
+    run, log = attempt.Run(1, 0), tmp_path / "run.txt"
+    child = f"print('step 1'); print('record log: {log}'); print('step 2')"
+    attempt.run_once(run, [sys.executable, "-c", child], {"signal": None, "child": None})
+    attempt.say("attempt: the tally")
+    monkeypatch.undo()
+    console.close()
+    assert run.code == 0 and run.log == str(log)

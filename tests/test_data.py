@@ -472,5 +472,5 @@ def test_run_sh_sets_up_one_process_at_a_time(tmp_path):
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     out, err = proc.communicate(timeout=120)
-    assert waited, (out, err)
+    assert waited and "another run.sh in" in err and "waiting for it" in err, (out, err)
     assert proc.returncode == 0 and out.rstrip().endswith("help"), err

@@ -367,6 +367,44 @@ def test_a_signal_during_training_ends_the_run_between_steps(tiny_hp):
     assert dispatched == [0, 1] and e.value.step == 2
 
 
+class Board:
+    """JAX's coordination-service key-value store, as StopRequests uses it, for processes simulated in one."""
+    def __init__(self):
+        self.posts = {}
+
+    def key_value_set(self, key, value):
+        assert key not in self.posts, key  # (JAX refuses to overwrite)
+        self.posts[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.posts.items() if k.startswith(prefix)]
+
+
+def test_processes_stop_before_the_first_step_a_post_names(monkeypatch):
+    """StopRequests with 2 processes (simulated: one board, process_index switched): process 1 sees a signal
+    at step 5 and posts 7; neither stops before 7, both at 7, whatever else is posted later; a process whose
+    signal came before training posts 0, so the others stop before their first step."""
+    board, me = Board(), [0]
+    monkeypatch.setattr(tg.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(tg.jax, "process_index", lambda: me[0])
+    monkeypatch.setattr(tg.StopRequests, "_board", staticmethod(lambda: board))
+
+    def ask(stop, process, step):
+        me[0] = process
+        return stop.at(step)
+
+    zero, one = tg.StopRequests(), tg.StopRequests()
+    assert [ask(zero, 0, 4), ask(one, 1, 4)] == [None, None]
+    one.signals.append("SIGINT")
+    assert [ask(one, 1, 5), ask(zero, 0, 5), ask(zero, 0, 6), ask(one, 1, 6)] == [None] * 4
+    zero.signals.append("SIGTERM")  # a later signal, posted for step 9: the first post still decides
+    assert [ask(zero, 0, 7), ask(one, 1, 7)] == ["SIGINT", "SIGINT"]
+    assert board.posts == {"train_gpt/stop/1": "7 SIGINT", "train_gpt/stop/0": "9 SIGTERM"}
+    board, me[0] = Board(), 1
+    tg.StopRequests().stopped_before_training("SIGTERM")
+    assert ask(tg.StopRequests(), 0, 0) == "SIGTERM"
+
+
 class Faulted:
     """A loss whose reading fails, as a device fault surfaces at the next wait."""
     def addressable_data(self, i):
