@@ -187,7 +187,7 @@ def stage_lines(a, b) -> list:
             ms[label] = row and row["ms"]
             n = len(row["steps"]) if ms[label] else 0
             cells.append(f"{label} " + (f"{row['ms']:10.2f} ms {row['tokens_per_s']:9.0f} tokens/s ({n} step"
-                                        f"{'s' * (n > 1)})" if n else f"{'n/a':>10}" + " " * 32))
+                                        f"{'s' * (n > 1)})" if n else f"{'n/a':>10}{' (no step of its pace)':<32}"))
         line = f"stage {k:<11} " + "   ".join(cells)
         if ms["A"] and ms["B"]:
             line += f"   B-A {ms['B'] - ms['A']:+.2f} ms ({(ms['B'] - ms['A']) / ms['A']:+.1%})"

@@ -152,6 +152,11 @@ def test_step_time_by_stage_leaves_out_first_last_and_validation_steps(tmp_path,
     for row in rows:
         if row["ms"]:
             assert re.search(rf"stage {row['stage']} .* A +{row['ms']:.2f} ms .* B-A -10\.00 ms", out)
+    # validating every other step leaves no step of any stage's pace: each says so
+    c = write_log(tmp_path / "c.txt", hp_with(40, val_loss_every=2), random_curve(rng, 22), 100.0)
+    assert compare.main([c, c]) == 0
+    out = capsys.readouterr().out.split("== step time by stage")[1]
+    assert len(re.findall(r"stage \d +A +n/a \(no step of its pace\) +B +n/a \(no step of its pace\)", out)) == 4, out
 
 
 def test_a_rule_and_step_lines_inside_the_embedded_source_do_not_confuse_the_parser(tmp_path):
