@@ -3295,14 +3295,19 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         `stop`): an exception raised inside JAX's own code could leave it holding a lock the data
         thread then waits for, and the clean-up's join would hang."""
         name = signal.Signals(signum).name
+        stop.signals.append(name)
         if batches is None:
             raise Interrupted(name)
-        stop.signals.append(name)
 
     def say(text, console_note=""):
         if log:
             log.write(text, console_note)
 
+    def unraisable(info):  # the handler's exception raised in a callback whose caller only prints it: stop has it
+        if not isinstance(info.exc_value, Interrupted):
+            unraisable_before(info)
+
+    unraisable_before, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         console("checking shards and flags ...")
@@ -3314,6 +3319,8 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         t0 = time.perf_counter()
         programs, val_step, loaded = compile_steps(hp, mesh, *state, prefix_V)
         compile_s = time.perf_counter() - t0
+        if stop.signals:  # the handler's exception, raised in a callback whose caller only printed it (a gc
+            raise Interrupted(stop.signals[0])  # callback of jax's, "Exception ignored in": 2 loaded cores)
 
         if main_process:
             log = RecordLog(new_log_path(hp.records_dir))
@@ -3386,6 +3393,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
                 log.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            sys.unraisablehook = unraisable_before
     return summary
 
 
