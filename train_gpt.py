@@ -143,8 +143,7 @@ class Hyperparameters:
              f"--num-scheduled-iterations {self.num_scheduled_iterations} must be at least 3 (three stages)"),
             (self.num_extension_iterations >= 0,
              f"--num-extension-iterations {self.num_extension_iterations} must be >= 0"),
-            (0 < self.cooldown_frac <= 1
-             and int(self.num_scheduled_iterations * (1 - self.cooldown_frac)) < self.num_scheduled_iterations,
+            (0 < self.cooldown_frac <= 1 and self.cooldown_start < self.num_scheduled_iterations,
              f"--cooldown-frac {self.cooldown_frac} must be in (0, 1] and cover at least one of the "
              f"{self.num_scheduled_iterations} scheduled steps"),
             (len(self.stages) == 4, "four stages: three scheduled thirds and the extension"),
@@ -195,6 +194,11 @@ class Hyperparameters:
     @property
     def padded_vocab(self) -> int:
         return -(-self.vocab_size // 128) * 128
+
+    @property
+    def cooldown_start(self) -> int:
+        """The first step of the lr cool-down (the reference's expression)."""
+        return int(self.num_scheduled_iterations * (1 - self.cooldown_frac))
 
     @property
     def total_steps(self) -> int:
@@ -255,7 +259,7 @@ def lr_mul(step: int, hp: Hyperparameters) -> float:
     """The stage's lr multiplier, falling linearly to final_lr_mul from the cooldown's start."""
     k, _ = stage_of(step, hp)
     lr = hp.stages[k].lr_mul
-    cd_start = int(hp.num_scheduled_iterations * (1 - hp.cooldown_frac))
+    cd_start = hp.cooldown_start
     if step >= cd_start:
         t = min(1.0, (step - cd_start) / (hp.num_scheduled_iterations - cd_start))
         lr = lr * (1 - t) + hp.final_lr_mul * t

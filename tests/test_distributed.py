@@ -174,7 +174,8 @@ import train_gpt as tg
 port, pid, seed = sys.argv[1:]
 args, _ = tg.parse_args(["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", pid])
 tg.start_distributed(tg.distributed_settings(args))
-hp = dataclasses.replace(tg.PRESETS["cpu"], seed=int(seed), records_dir=f"records{pid}", compile_cache_dir=f"/home/u{pid}")
+hp = dataclasses.replace(tg.PRESETS["cpu"], seed=int(seed), records_dir=f"records{pid}",
+                         compile_cache_dir=f"/home/u{pid}")
 try:
     tg.assert_same_everywhere(hp, "cpu")
     print("same")

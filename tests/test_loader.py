@@ -199,7 +199,8 @@ def shard_variants(tmp_path, rng):
     write_shard(str(good), tokens)
     data = good.read_bytes()
     variants = {"good": data, "empty_tokens": None, "bad_magic": b"\x00" + data[1:], "bad_version": None,
-                "truncated": data[:-2], "trailing": data + b"\x00\x00", "tiny": data[:100], "ten_bytes": data[:10], "missing": None}
+                "truncated": data[:-2], "trailing": data + b"\x00\x00", "tiny": data[:100], "ten_bytes": data[:10],
+                "missing": None}
     header = np.frombuffer(data[:1024], "<i4").copy()
     header[1] = 2
     variants["bad_version"] = header.tobytes() + data[1024:]
