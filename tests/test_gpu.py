@@ -1491,6 +1491,26 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
             "dv_max": float(jnp.max(jnp.abs(ref_dv)))}
 
 
+@pytest.mark.skipif(not ON_GPU, reason=f"GPU lane: JAX backend is {BACKEND}, not gpu")
+@pytest.mark.parametrize("head_dim", [128, 16])  # the record's, the cpu preset's
+def test_rotary_frequencies_are_the_ones_torch_builds_on_the_gpu(head_dim):
+    """The reference builds its rotary frequencies on the GPU, (1/1024)^linspace(0, 1) in float32: CUDA's
+    linspace kernel and power may round otherwise than torch's CPU, whose values rope_freqs matches bit
+    for bit (tests/ref89_schedule.tsv; numpy's float32 power was up to 7 ulps off, 2% of the bf16
+    rotary tables). Needs torch with CUDA, which the GPU machines have (not a project package)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    import train_gpt as tg
+
+    n = head_dim // 4
+    theirs = ((1 / 1024) ** torch.linspace(0, 1, steps=n, dtype=torch.float32, device="cuda")).cpu().numpy()
+    ours = tg.rope_freqs(head_dim)[:2 * n:2]
+    ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32))
+    print(f"head_dim {head_dim}: ulps apart {ulps.tolist()}")
+    assert ulps.max() == 0, {int(i): (float(ours[i]), float(theirs[i])) for i in np.nonzero(ulps)[0]}
+
+
 @lane
 def test_dc_kernels_match_the_xla_path():
     result = run_case("dc", ATTENTION_T)

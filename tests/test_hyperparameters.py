@@ -1,10 +1,13 @@
 """§1 Hyperparameters: every flag is checked at construction (one case per rule), bad flags exit 2
-before any work, and train_gpt.py stands alone (runs from a copy, importing it changes nothing)."""
+before any work, train_gpt.py stands alone (runs from a copy, importing it changes nothing), and
+the schedule is the reference's, step by step (tests/ref89_schedule.tsv, written by its own code)."""
+import csv
 import dataclasses
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import train_gpt as tg
@@ -159,3 +162,52 @@ def test_help_says_what_each_hyperparameter_is(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
     assert f"--val-loss-every VAL_LOSS_EVERY {notes['val_loss_every']} (record: 250, cpu: 8)" in text
     assert f"--compile-cache-dir COMPILE_CACHE_DIR {notes['compile_cache_dir']} (record:" in text
+
+
+def reference_schedule():
+    """tests/ref89_schedule.tsv's rows: {preset: [step row]}, {(preset, k): rotary frequencies}."""
+    with open(os.path.join(ROOT, "tests", "ref89_schedule.tsv")) as f:
+        rows = list(csv.DictReader((line for line in f if not line.startswith("#")), delimiter="\t"))
+    steps, freqs = {}, {}
+    for r in rows:
+        if r["kind"] == "step":
+            steps.setdefault(r["preset"], []).append(r)
+        else:  # a freq row: its number in `step`, the values in `batch`
+            freqs[r["preset"], int(r["step"])] = np.array(r["batch"].split(","), np.float32)
+    return steps, freqs
+
+
+@pytest.mark.parametrize("preset", ["record", "cpu"])
+def test_the_schedule_is_the_references_at_each_step(preset):
+    """Windows, batch and document length, lr and momentum multipliers, Adam's steps, the split, MTP
+    and prefix weights, YaRN's frequencies and scale: what the reference's main loop uses at each
+    step (its TrainingSchedule, get_muon_momentum, advance_schedule and Yarn run by
+    tests/ref89_schedule.py; the record's at every transition and its neighbours, every 10th step and
+    the last stage, the cpu preset's at every step), equal to train_gpt.py's: floats bit for bit. A
+    changed cpu preset needs the table written again (the script's CPU constants changed with it)."""
+    hp = tg.PRESETS[preset]
+    steps, freqs = reference_schedule()
+    rows = steps[preset]
+    assert int(rows[-1]["step"]) == hp.total_steps and rows[-1]["last"] == "1"
+    assert len(rows) > (100 if preset == "record" else hp.total_steps)
+    assert [int(r["step"]) for r in rows if r["split"] == "1"] == [tg.split_step(hp)]
+    for r in rows:
+        step, last = int(r["step"]), r["last"] == "1"
+        stage = hp.stages[tg.stage_of(step, hp)[0]]
+        got = dict(batch=stage.batch_size, max_seq_len=stage.max_seq_len, windows=tg.windows(step, hp, last),
+                   lr=tg.lr_mul(step, hp), momentum=tg.muon_momentum(step, hp))
+        want = dict(batch=int(r["batch"]), max_seq_len=int(r["max_seq_len"]),
+                    windows=(int(r["ws_short"]), int(r["ws_long"])), lr=float(r["lr"]), momentum=float(r["momentum"]))
+        assert got == want, step
+        sv = tg.step_values_at(step, hp)
+        assert (bool(sv["do_adam"]), bool(sv["split"]), bool(sv["tied"])) == (
+            r["adam"] == "1", r["split"] == "1", step <= tg.split_step(hp)), step
+        assert (sv["lr"], sv["momentum"]) == (np.float32(want["lr"]), np.float32(want["momentum"])), step
+        mtp, prefix = tg.loss_weights(step, hp)
+        assert mtp.dtype == np.float32 and mtp.tolist() == [float(w) for w in r["mtp"].split(",")], step
+        assert prefix.dtype == np.float32 and float(prefix) == float(r["prefix"]), step
+        freq, scale = tg.yarn_state(step, hp)
+        assert np.array_equal(freq, freqs[preset, int(r["freq"])]) and scale == float(r["attn_scale"]), step
+        a = tg.schedule_values(step, hp, last)  # what the forward gets: the same values
+        assert (int(a["window_short"]), int(a["window_long"])) == want["windows"], step
+        assert np.array_equal(np.asarray(a["freq"]), freq) and np.float32(a["scale"]) == np.float32(scale), step

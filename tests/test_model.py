@@ -712,7 +712,7 @@ def test_init_draws_the_references_distributions_and_zeros():
     assert gb2[0, 19:26:2].tolist() == [0.5] * 4 and gb2[1, 19:28:2].tolist() == [0.5] * 5
     s = np.asarray(p["scalars"])
     assert s.shape == (24,) and s[:22].tolist() == [0.5, 1.0] * 11 and s[22] == 0 and s[23] == -1.5
-    assert np.asarray(p["resid_lambdas"]).tolist() == [[1.1**0.5] * 2] * 11 or np.allclose(p["resid_lambdas"], 1.1**0.5)
+    assert p["resid_lambdas"].dtype == np.float32 and (np.asarray(p["resid_lambdas"]) == np.float32(1.1**0.5)).all()
     signs = np.asarray(p["bigram_sign_table"], np.float64)
     assert set(np.unique(signs)) == {-1.0, 1.0} and abs(signs.mean()) < 0.05
 
@@ -722,9 +722,8 @@ def test_prefix_table_is_the_longest_proper_prefix_token():
     import tiktoken.load
     ranks = tiktoken.load.load_tiktoken_bpe(m.gpt2_vocab())
     by_id = {t: b for b, t in ranks.items()}
-    rng = np.random.default_rng(6)
-    for t in rng.choice(50256, 300, replace=False):
-        b = by_id[int(t)]
+    for t in range(50256):  # every token but <|endoftext|> (0.2 s)
+        b = by_id[t]
         prefixes = [ranks[b[:n]] for n in range(1, len(b)) if b[:n] in ranks]
         assert table[t] == (prefixes[-1] if prefixes else -1)
     assert (table[50256:] == -1).all() and (table[:256] == -1).all()  # single bytes have no proper prefix
