@@ -515,12 +515,14 @@ def bigram_hash(inputs_T, buckets: int):
 
 def rope_freqs(head_dim: int) -> np.ndarray:
     """Half-truncated RoPE: head_dim/4 frequencies (1/1024)^linspace(0, 1), each used by a pair of
-    lanes, then head_dim/2 lanes that do not rotate. float32, as the reference builds them: torch's
-    linspace points (a float32 step, the second half counted back from 1; numpy's differ by an ulp in
-    places) and the power rounded once, as torch's (numpy's float32 power was up to 7 ulps off)."""
+    lanes, then head_dim/2 lanes that do not rotate. float32, as the reference builds them with torch:
+    linspace's points (a float32 step; the second half counted back from 1 in one rounding, a fused
+    multiply-add) and the power rounded once (numpy's float32 linspace and power were up to 7 ulps
+    off). The same bits as CPU torch's for head sizes 16 to 128 (tests/ref89_schedule.tsv: 16, 128)."""
     n = head_dim // 4
-    i, step = np.arange(n, dtype=np.float32), np.float32(1) / np.float32(n - 1)
-    t = np.where(i < n // 2, step * i, np.float32(1) - step * (np.float32(n - 1) - i)).astype(np.float32)
+    i, step = np.arange(n), np.float32(1) / np.float32(n - 1)
+    back = 1.0 - np.float64(step) * (n - 1 - i)  # exact in float64: one rounding below
+    t = np.where(i < n // 2, step * i.astype(np.float32), back.astype(np.float32)).astype(np.float32)
     f = (2.0 ** (-10.0 * t.astype(np.float64))).astype(np.float32)  # (1/1024)^t, exact until the rounding
     return np.concatenate([np.repeat(f, 2), np.zeros(head_dim // 2, np.float32)])
 

@@ -10,10 +10,9 @@ unchanged) and its sources; the reference's Yarn class is exec'd here, unchanged
 record's main loop visits (0 .. total, the last one validation only), it calls what the main loop
 calls: TrainingManager.advance_schedule(step) (windows, batch size, document length, MTP and prefix
 weights, and Yarn.apply at each long-window change), get_lr and get_muon_momentum (step_optimizers),
-_is_adam_step; at the last step apply_final_ws_ext. Two presets: `record` (the reference's own
-constants, sampled at the steps that matter: every transition and its neighbours, every 10th step,
-the last stage whole) and `cpu` (train_gpt.py's cpu preset: the reference's classes given its step
-counts, batch sizes, document lengths, momentum warm-up and cool-down and head size; every step).
+_is_adam_step; at the last step apply_final_ws_ext. Two presets, every step: `record` (the
+reference's own constants) and `cpu` (train_gpt.py's cpu preset: the reference's classes given its
+step counts, batch sizes, document lengths, momentum warm-up and cool-down and head size).
 """
 import argparse
 import importlib.util
@@ -44,8 +43,8 @@ def yarn_class(ref89, ref_dir):
     return ns["Yarn"]
 
 
-def rows(L, Yarn, preset, sched, head_dim, warmup, cooldown, sample):
-    """The main loop's schedule at each sampled step, with `sched` as the module's training_schedule."""
+def rows(L, Yarn, preset, sched, head_dim, warmup, cooldown):
+    """The main loop's schedule at each step, with `sched` as the module's training_schedule."""
     g = L.TrainingManager.advance_schedule.__globals__  # the namespace load_loader exec'd
     g["training_schedule"] = sched
     tm = L.TrainingManager.__new__(L.TrainingManager)
@@ -64,8 +63,6 @@ def rows(L, Yarn, preset, sched, head_dim, warmup, cooldown, sample):
         f = tuple(float(v) for v in y.angular_freq.numpy())
         if f not in freqs:
             freqs.append(f)
-        if step not in sample:
-            continue
         # get_forward_args' fields (its dataclass is outside load_loader's segment)
         out.append([preset, step, tm.batch_size, tm.train_max_seq_len, tm.ws_short * tm.block_size,
                     tm.ws_long * tm.block_size,
@@ -85,21 +82,16 @@ def main():
     ref89 = load_ref89(a.ref89)
     L, Yarn = ref89.load_loader(a.ref_dir, 8, 0), yarn_class(ref89, a.ref_dir)
     s = L.training_schedule
-    n, total = s.scheduled_iterations, s.total_steps
-    cd = int(n * (1 - s.cooldown_frac))
-    marks = [b for b, _ in s.boundaries] + [cd, s.split_step, 300, total - 50]
-    sample = set(range(4)) | set(range(0, total, 10)) | set(range(n - 2, total + 1))
-    sample |= {m + d for m in marks for d in range(-2, 3)}
-    record, record_f = rows(L, Yarn, "record", s, 128, 300, 50, sample)
+    record, record_f = rows(L, Yarn, "record", s, 128, 300, 50)
     stages = [L.TrainingStage(**{**{f: getattr(st, f) for f in st.__slots__}, "batch_size": b, "train_max_seq_len": q})
               for st, b, q in zip(L.TRAINING_STAGES, CPU["batch"], CPU["seq"])]
     cpu_s = L.TrainingSchedule(stages, CPU["scheduled"], CPU["extension"], cooldown_frac=s.cooldown_frac)
-    cpu, cpu_f = rows(L, Yarn, "cpu", cpu_s, CPU["head_dim"], CPU["warmup"], CPU["cooldown"],
-                      set(range(cpu_s.total_steps + 1)))
+    cpu, cpu_f = rows(L, Yarn, "cpu", cpu_s, CPU["head_dim"], CPU["warmup"], CPU["cooldown"])
     w = sys.stdout.write
     source = a.ref_dir or f"KellerJordan/modded-nanogpt {ref89.COMMIT}"
-    w(f"# record 89's schedule by its own code ({source} train_gpt.py: TrainingSchedule, get_muon_momentum,\n"
-      "# TrainingManager.advance_schedule, Yarn), written by tests/ref89_schedule.py (its docstring: the command).\n"
+    w(f"# record 89's schedule by its own code ({source} train_gpt.py:\n"
+      "# TrainingSchedule, get_muon_momentum, TrainingManager.advance_schedule, Yarn), written by\n"
+      "# tests/ref89_schedule.py (its docstring: the command).\n"
       "# step rows: what the main loop's step uses; windows in tokens; lr and momentum as Python floats; mtp,\n"
       "# prefix: float32 values; split: the step after whose update embed and lm_head are untied; last: the\n"
       "# final validation's step (long window widened); freq: the number of a freq row, whose step column holds\n"

@@ -1496,9 +1496,10 @@ def case_attention(impl: str, window: int, T: int, H: int) -> dict:
 def test_rotary_frequencies_are_the_ones_torch_builds_on_the_gpu(head_dim):
     """The reference builds its rotary frequencies on the GPU, (1/1024)^linspace(0, 1) in float32: CUDA's
     linspace kernel and power may round otherwise than torch's CPU, whose values rope_freqs matches bit
-    for bit (tests/ref89_schedule.tsv; numpy's float32 power was up to 7 ulps off: 1% of the bf16
-    rotary tables' entries at a last-stage chunk's positions). Needs torch with CUDA, which the GPU
-    machines have (not a project package)."""
+    for bit at these sizes (tests/ref89_schedule.tsv; numpy's float32 linspace and power were up to 7
+    ulps off: 1% of the bf16 rotary tables' entries at a last-stage chunk's positions). Where they
+    differ, the GPU's are the record's. Needs torch with CUDA, which the GPU machines have (not a
+    project package)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
