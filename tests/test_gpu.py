@@ -1511,6 +1511,24 @@ def test_rotary_frequencies_are_the_ones_torch_builds_on_the_gpu(head_dim):
     ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32))
     print(f"head_dim {head_dim}: ulps apart {ulps.tolist()}")
     assert ulps.max() == 0, {int(i): (float(ours[i]), float(theirs[i])) for i in np.nonzero(ulps)[0]}
+    # the bf16 cos and sin tables over a last-stage chunk's positions (the paired layers' 2T): torch's
+    # cos and sin of its fp32 angles on CUDA, ours from rotary() turning each lane pair (1, 0) into
+    # (cos, -sin), rounded as it rounds them in a jitted program
+    S = 2 * 49152
+    freq = tg.rope_freqs(head_dim)
+    theta = torch.outer(torch.arange(S, dtype=torch.float32, device="cuda"), torch.from_numpy(freq).cuda())
+    want = np.stack([theta.cos().to(torch.bfloat16).float().cpu().numpy(),
+                     -theta.sin().to(torch.bfloat16).float().cpu().numpy()])
+    pairs = jnp.tile(jnp.array([1.0, 0.0], jnp.bfloat16), head_dim // 2).reshape(1, 1, head_dim)
+    turned = jax.jit(lambda p: tg.rotary(jnp.broadcast_to(p, (S, 1, head_dim)), jnp.asarray(freq),
+                                         jnp.arange(S, dtype=jnp.float32), False))(pairs)
+    got = np.asarray(turned.astype(jnp.float32))[:, 0].reshape(S, head_dim // 2, 2)
+    got = np.stack([np.repeat(got[..., 0], 2, -1), np.repeat(got[..., 1], 2, -1)])
+    differ = float(np.mean(got != want))
+    print(f"head_dim {head_dim}: bf16 cos/sin entries that differ from torch's on CUDA: {differ:.2e}")
+    # two cos implementations an ulp apart round to different bf16 next to a midpoint: XLA's and torch's on
+    # CPU, 4 of these 12.6M entries (2026-11-28); frequencies 1-7 ulps off made it 1.04%
+    assert differ <= 1e-5, differ
 
 
 @lane
