@@ -41,22 +41,12 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from records import stats  # noqa: E402
-from records.logs import LogError, expand, parse_log  # noqa: E402
+from records.logs import LogError, expand, parse_log, plot_path_problem, say  # noqa: E402
 
 TRAIN_GPT = os.path.join(os.path.dirname(HERE), "train_gpt.py")
 LOG_LINE = re.compile(r"^record log: (.+)$")  # what train() prints once its log is open
 INTERRUPTED = {128 + signal.SIGINT: signal.SIGINT, 128 + signal.SIGTERM: signal.SIGTERM}  # 130, 143
 PLOT_EXTRAS = ("matplotlib", "scipy")  # what stats.py --plot imports (not in requirements.txt)
-
-
-def say(text: str, file=None, end: str = "\n") -> None:
-    """print, where a console that is gone (the reader of a pipe, `| tee`, killed by the same Ctrl-C) is not
-    the attempt's error: the finished runs' verdict is still made and saved. Later lines there go nowhere."""
-    file = file or sys.stdout
-    try:
-        print(text, file=file, end=end, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
 
 
 def run_count(text: str) -> int:
@@ -79,7 +69,7 @@ def parse_args(argv):
                         "beside records/; an attempt usually runs a changed copy)")
     parser.add_argument("--against", nargs="+", metavar="LOG", help="stats.py --against: the group to compare with "
                         "(logs, folders or quoted globs)")
-    parser.add_argument("--target", type=float, default=stats.TARGET, help="stats.py --target (3.28)")
+    parser.add_argument("--target", type=stats.loss_target, default=stats.TARGET, help="stats.py --target (3.28)")
     parser.add_argument("--alpha", type=stats.probability, default=stats.ALPHA, help="stats.py --alpha (0.01)")
     parser.add_argument("--plot", metavar="OUT.png", help="stats.py --plot: the runs' final losses and times")
     parser.add_argument("--check", action="store_true", help="check these options, and the script's with its own "
@@ -104,9 +94,8 @@ def parse_args(argv):
         if missing:
             parser.error(f"--plot needs {' and '.join(missing)}, optional extras not installed here: pip install "
                          f"{' '.join(missing)}, or leave --plot out (records/stats.py --plot draws it later)")
-        folder = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            parser.error(f"--plot {args.plot}: {folder} is no folder this user can write to")
+        if problem := plot_path_problem(args.plot):
+            parser.error(problem)
     return args, script_args
 
 

@@ -15,13 +15,14 @@ Logs of unfinished runs are rejected unless --allow-incomplete (their partial cu
 """
 import argparse
 import difflib
+import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, require_complete,  # noqa: E402
-                          synthetic_shards)
-from records.stats import TARGET  # noqa: E402
+from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, plot_path_problem,  # noqa: E402
+                          require_complete, say, synthetic_shards)
+from records.stats import TARGET, loss_target  # noqa: E402
 
 BASELINES = {name: os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}_curve.tsv")
              for name in ("record20", "record89")}
@@ -166,9 +167,12 @@ def timing_lines(a, b) -> list:
             line += f"   B-A {y - x:+10{spec}}" + (f" ({(y - x) / x:+.1%})" if ratio and x else "")
         lines.append(line)
     for label, run in (("A", a), ("B", b)):
-        if run.layout == PYTORCH:
+        if run.layout == PYTORCH and run.untimed_steps:
             lines.append(f"clock of {label} (PyTorch): excludes validation and its first {run.untimed_steps} steps, "
                          f"which include compilation")
+        elif run.layout == PYTORCH:
+            lines.append(f"clock of {label} (PyTorch): excludes validation; covers every step, compilation "
+                         f"happens in a warm-up before it")
         elif PYTORCH in (a.layout, b.layout):
             lines.append(f"clock of {label} (JAX): excludes validation; covers every step, compilation "
                          f"happens before it (compile_s)")
@@ -225,8 +229,9 @@ def plot(a, b, path: str, baseline=None, baseline_name="", target: float = TARGE
             return "PyTorch"
         return f"JAX, preset {r.preset}" + (", synthetic shards" if synthetic_shards(r) else "")
 
-    curves = [(f"{label}: {os.path.basename(r.path)} ({kind(r)})", r.val_curve, r.num_iterations)
-              for label, r in (("A", a), ("B", b))]
+    # a diverged PyTorch run's NaN losses (--allow-incomplete) are no points to draw
+    curves = [(f"{label}: {os.path.basename(r.path)} ({kind(r)})", [p for p in r.val_curve if math.isfinite(p[1])],
+               r.num_iterations) for label, r in (("A", a), ("B", b))]
     if baseline:
         curves.append((f"{baseline_name} (PyTorch, 8xH100)", baseline, baseline[-1][0]))
     bottom, top = decisive_range([curve[-1][1] for _, curve, _ in curves if curve], target)
@@ -264,9 +269,20 @@ def main(argv=None) -> int:
     parser.add_argument("b")
     parser.add_argument("--plot", metavar="OUT.png")
     parser.add_argument("--baseline", choices=sorted(BASELINES))
-    parser.add_argument("--target", type=float, default=TARGET, help="the target line of --plot's decisive panel")
+    parser.add_argument("--target", type=loss_target, default=TARGET, help="the target line of --plot's decisive panel")
     parser.add_argument("--allow-incomplete", action="store_true", help="show unfinished runs' partial curves")
     args = parser.parse_args(argv)
+    for path in (args.a, args.b):
+        if not os.path.exists(path) and any(c in path for c in "*?["):
+            parser.error(f"{path} is a pattern: compare.py takes two log files, A and B (records/stats.py takes "
+                         f"groups of logs, folders and patterns)")
+    if args.plot:  # before any work, as a missing matplotlib
+        try:
+            if problem := plot_path_problem(args.plot):
+                parser.error(problem)
+        except ImportError as e:
+            print(f"error: --plot needs matplotlib, an optional extra ({e}): pip install matplotlib", file=sys.stderr)
+            return 2
     try:
         a, b = parse_log(args.a), parse_log(args.b)
         if not args.allow_incomplete:
@@ -276,18 +292,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     baseline = load_baseline(args.baseline) if args.baseline else None
-    if args.plot:  # first, so that a missing matplotlib fails before the report
-        try:
-            plot(a, b, args.plot, baseline, args.baseline, args.target)
-        except ImportError as e:
-            print(f"error: --plot needs matplotlib, an optional extra ({e}): pip install matplotlib", file=sys.stderr)
-            return 2
+    if args.plot:
+        plot(a, b, args.plot, baseline, args.baseline, args.target)
     for label, run in (("A", a), ("B", b)):
         partial = "" if run.finished else f" -- {run.status} at step {run.last_step}: partial curve"
-        print(f"{label}: {run.path} ({run.describe()}){partial}")
+        say(f"{label}: {run.path} ({run.describe()}){partial}")
     if a.digest == b.digest:
-        print("note: A and B are the same log")
-    print()
+        say("note: A and B are the same log")
+    say()
     sections = [("source", source_diff(a, b)),
                 ("hyperparameters", hyperparameter_changes(a, b) if a.layout == b.layout
                  else hyperparameter_pairs(a, b)),
@@ -300,10 +312,10 @@ def main(argv=None) -> int:
         sections.append(("step time by stage (without each stage's first and last step and the steps at and "
                          "after a validation)", stage_lines(a, b)))
     for title, lines in sections:
-        print(f"== {title}")
-        print("\n".join(lines) + "\n")
+        say(f"== {title}")
+        say("\n".join(lines) + "\n")
     if args.plot:
-        print(f"plot written to {args.plot}")
+        say(f"plot written to {args.plot}")
     return 0
 
 

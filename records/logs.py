@@ -5,8 +5,10 @@
 - the PyTorch speedrun's (KellerJordan/modded-nanogpt, records 18-22 and 89): source, '=', `Running Python`,
   `Running PyTorch`, nvidia-smi, '=', step lines, `peak memory allocated: N MiB reserved: M MiB`.
   Its hyperparameters are the defaults of the source's `Hyperparameters` dataclass, read with `ast`
-  (literals and simple arithmetic only; nothing is executed). Its clock restarts after the first
-  10 steps (they include compilation); the last val line's train_time is the record's time.
+  (literals and simple arithmetic only; nothing is executed). Records 18-21 restart their clock
+  after the first 10 steps (they include compilation); later ones compile in a warm-up before it
+  starts. The last val line's train_time is the record's time; a non-finite final val loss (the
+  PyTorch script trains on after a NaN) makes the run a stopped one, as our runs stop on one.
 
 parse_log(path) -> RunLog reads any log, finished or not; require_complete(run) raises LogError
 unless the run finished, because only finished runs have a final val loss and a total time.
@@ -20,6 +22,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import math
 import operator
 import os
 import re
@@ -69,6 +72,7 @@ class RunLog:
     peak_memory_mib: float | None = None
     status: str = "truncated"  # complete | interrupted | stopped | truncated (killed, or still running)
     last_line: str = ""
+    stop_reason: str = ""  # why a run whose lines went to the end counts as stopped (PyTorch's NaN)
     stage_starts: list = dataclasses.field(default_factory=list)  # ours: the steps where stages start (0, ...)
     stage_batches: list = dataclasses.field(default_factory=list)  # ours: tokens a step in each stage
 
@@ -236,6 +240,38 @@ def dataclass_hyperparameters(source: str, path: str) -> dict:
     return hyperparameters
 
 
+# ---- the console and --plot, for the tools
+
+
+def say(text: str = "", file=None, end: str = "\n") -> None:
+    """print, where a console that is gone (the reader of a pipe: `| head`, `| less` quit early; `| tee`
+    killed by the same Ctrl-C) is not the tool's error: later lines go nowhere (train_gpt.py has its twin)."""
+    file = file or sys.stdout
+    try:
+        print(text, file=file, end=end, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
+
+
+def plot_path_problem(path: str) -> str:
+    """Why --plot PATH cannot be written ('' if it can), asked before any work: its folder must be one
+    this user can write to, and its extension a format matplotlib writes (imported here: --plot needs it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"--plot {path}: {folder} is no folder this user can write to"
+    import matplotlib  # first: it may be missing while its submodules are imported already
+
+    matplotlib.use("Agg")  # no display needed, as the plots themselves
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        return (f"--plot {path}: {'a file name without an extension' if not extension else repr(extension)} is not "
+                f"a format matplotlib writes; name the file .png (or {', '.join(sorted(formats))})")
+    return ""
+
+
 # ---- the reader
 
 def _looks_like_a_script(lines: list) -> bool:
@@ -244,14 +280,15 @@ def _looks_like_a_script(lines: list) -> bool:
 
 
 def expand(patterns: list, flag: str) -> list:
-    """Log paths: a folder stands for its *.txt files, a pattern with * ? [ for its matches (sorted)."""
+    """Log paths: a folder stands for its *.txt files, a pattern with * ? [ for its matches (sorted;
+    records/attempt.py's .verdict files beside its logs left out)."""
     paths = []
     for pattern in patterns:
         if os.path.isdir(pattern):
             found = sorted(glob.glob(os.path.join(pattern, "*.txt")))
             why = f"the folder {os.path.abspath(pattern)} holds no .txt log"
         elif any(c in pattern for c in "*?["):
-            found = sorted(glob.glob(pattern))
+            found = sorted(p for p in glob.glob(pattern) if not p.endswith(".verdict"))
             why = f"no file matches {os.path.abspath(pattern)}"
         else:
             found, why = [pattern], ""
@@ -265,7 +302,7 @@ def parse_log(path: str) -> RunLog:
     try:
         with open(path, "rb") as f:
             raw = f.read()
-        lines = raw.decode("utf-8").split("\n")
+        lines = raw.decode("utf-8").replace("\r\n", "\n").split("\n")  # a copy through Windows too
     except (OSError, UnicodeDecodeError) as e:
         raise LogError(f"{os.path.abspath(path)}: cannot read it as a text log ({e})") from None
     # The embedded source may contain anything, even a rule: the header starts at the first rule
@@ -340,7 +377,10 @@ def _read_body(run: RunLog, lines: list) -> None:
         if line:
             run.last_line = line
     if run.layout == PYTORCH and run.val_curve and run.val_curve[-1][0] == run.total_steps:
-        run.status = "complete"  # the last step's validation is the record's result
+        final = run.val_curve[-1][1]  # the last step's validation is the record's result
+        run.status = "complete" if math.isfinite(final) else "stopped"
+        if not math.isfinite(final):
+            run.stop_reason = f"its final val_loss is {final}: it diverged"
     if run.layout == OURS and run.status == "complete" and not run.summary:
         raise LogError(f"{run.path} says 'run complete' but has no summary line; was the log edited?")
 
@@ -357,8 +397,9 @@ def require_complete(run: RunLog, fix: str = "") -> RunLog:
     caller offers instead, said at the end of the error."""
     if not run.finished:
         how = "truncated: killed, or still running" if run.status == "truncated" else run.status
+        why = run.stop_reason or f"last line: {run.last_line!r}"
         raise LogError(f"{run.path}: the run did not finish ({how}, at step {run.last_step}/"
-                       f"{run.num_iterations or '?'}; last line: {run.last_line!r}); only complete runs can be "
+                       f"{run.num_iterations or '?'}; {why}); only complete runs can be "
                        f"compared or tested" + (f" ({fix})" if fix else ""))
     return run
 
@@ -390,14 +431,14 @@ def main(argv=None) -> int:
             bad += 1
             continue
         final = f"final val_loss {run.final_val_loss:.4f}, " if run.finished else ""
-        print(f"{path}: {run.describe()}, {run.status} at step {run.last_step}; {final}train_time "
+        say(f"{path}: {run.describe()}, {run.status} at step {run.last_step}; {final}train_time "
               f"{run.train_time_ms or 0:.0f} ms over {run.timed_steps} timed steps, step_avg {run.step_avg_ms:.2f} ms"
               + (f", compile {run.compile_s:.1f} s" if run.compile_s is not None else ""))
         for row in run.stage_step_ms():
             steps = ("steps " if len(row["steps"]) > 1 else "step ") + _ranges(row["steps"])
             pace = (f"{row['ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s over {steps}"
                     if row["ms"] else "n/a (no step of its pace)")
-            print(f"  stage {row['stage']} ({row['batch']:,} tokens a step): {pace}")
+            say(f"  stage {row['stage']} ({row['batch']:,} tokens a step): {pace}")
     return 2 if bad else 0
 
 

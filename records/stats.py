@@ -16,18 +16,19 @@ both groups ran on the same device kind and count and their times can be put on 
 --plot draws each run's final loss and time per group, the target and the means with confidence
 intervals (matplotlib). The same log given twice counts once. An unfinished run is an error
 unless --skip-incomplete, which leaves it out and says so; a run stopped by an error (a
-non-finite loss) is a failed run, and no record claim holds with one. The p-values need scipy,
-an optional extra (pip install scipy).
+non-finite loss; a PyTorch log whose final val loss is NaN) is a failed run, and no record claim
+holds with one. The p-values need scipy, an optional extra (pip install scipy).
 """
 import argparse
 import collections
+import math
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, expand, parse_log, require_complete,  # noqa: E402
-                          synthetic_shards)
+from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, expand, parse_log, plot_path_problem,  # noqa: E402
+                          require_complete, say, synthetic_shards)
 
 TARGET, ALPHA = 3.28, 0.01  # the speedrun's rule: mean final val loss below 3.28 at p < 0.01
 RECORD_RUNS, RECORD_STD = 13, 0.0014  # record 89's published final losses (2026-07-17; their mean: 3.2784)
@@ -35,13 +36,25 @@ POWER = 0.8  # "runs needed": the smallest n at which the record test passes wit
 
 
 def probability(text: str) -> float:
-    """argparse type of --alpha: a number strictly between 0 and 1."""
+    """argparse type of --alpha: a significance level, strictly between 0 and 0.5 (the plot's intervals
+    cover 1 - 2 alpha)."""
     try:
-        if 0 < float(text) < 1:
+        if 0 < float(text) < 0.5:
             return float(text)
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"--alpha must be a number between 0 and 1 (got {text!r}), e.g. 0.01")
+    raise argparse.ArgumentTypeError(f"--alpha must be a significance level between 0 and 0.5 (got {text!r}), "
+                                     f"e.g. 0.01")
+
+
+def loss_target(text: str) -> float:
+    """argparse type of --target: a finite val loss."""
+    try:
+        if math.isfinite(float(text)):
+            return float(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"--target must be a finite val loss (got {text!r}), e.g. 3.28")
 
 
 def t_test_less(values: list, target: float):
@@ -291,9 +304,10 @@ def _device_key(run) -> tuple:
 def comparable_times(runs: list, against: list) -> tuple:
     """((times of runs, times of against) in seconds on one clock, the clock's name), or (None, why
     not). Times compare only between runs on the same device kind and count (read from the logs)
-    and on one clock: the PyTorch speedrun's leaves out its first steps (they include compilation,
-    ours happens before the clock), so with a PyTorch log in either group ours are put on that clock
-    from their step lines: the time at the end minus the time at that step."""
+    and on one clock: records 18-21 of the PyTorch speedrun leave out their first 10 steps (they
+    include compilation, ours happens before the clock), so with such a log in either group ours are
+    put on that clock from their step lines: the time at the end minus the time at that step; later
+    records time every step after a warm-up that compiled, as ours."""
     everyone = runs + against
     if unknown := next((r for r in everyone if r.devices is None), None):
         return None, f"{unknown.path} does not say which devices ran it"
@@ -305,13 +319,17 @@ def comparable_times(runs: list, against: list) -> tuple:
     skip, clock = 0, "the JAX clock (every step)"
     if torch:
         skipped = sorted({r.untimed_steps for r in torch})
-        if len(skipped) > 1 or not skipped[0]:
-            return None, f"the PyTorch logs' clocks do not all restart after the same step (they leave out {skipped})"
+        if len(skipped) > 1:
+            return None, (f"the PyTorch logs' clocks leave out different numbers of first steps ({skipped}: records "
+                          f"18-21 restart theirs after step 10, later ones compile before it starts)")
         skip = skipped[0]
-        if cut := next((r for r in everyone if r.layout == OURS and r.time_at_step(skip) is None), None):
+        if not skip:  # later records compile in a warm-up before their clock starts, as ours compiles before ours
+            clock = "the clock of every step (the PyTorch logs' starts after their warm-up compiled)"
+        elif cut := next((r for r in everyone if r.layout == OURS and r.time_at_step(skip) is None), None):
             return None, f"{cut.path} has no step line {skip}, so its time cannot be put on the PyTorch clock"
-        ours = f"; JAX runs: time at the end minus at step {skip}" if len(torch) < len(everyone) else ""
-        clock = f"the PyTorch clock (without the first {skip} steps{ours})"
+        else:
+            ours = f"; JAX runs: time at the end minus at step {skip}" if len(torch) < len(everyone) else ""
+            clock = f"the PyTorch clock (without the first {skip} steps{ours})"
 
     def seconds(run):
         return (run.train_time_ms - (run.time_at_step(skip) if skip and run.layout == OURS else 0)) / 1000
@@ -375,7 +393,7 @@ def plot(groups: list, path: str, target: float, alpha: float):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", metavar="LOG")
-    parser.add_argument("--target", type=float, default=TARGET, help="val loss the mean must be below")
+    parser.add_argument("--target", type=loss_target, default=TARGET, help="val loss the mean must be below")
     parser.add_argument("--alpha", type=probability, default=ALPHA, help="significance level of the claims")
     parser.add_argument("--skip-incomplete", action="store_true", help="leave unfinished runs out (and list them)")
     parser.add_argument("--against", nargs="+", metavar="LOG", help="a second group of logs: Welch's t-tests of "
@@ -383,6 +401,14 @@ def main(argv=None) -> int:
                         "test by seed")
     parser.add_argument("--plot", metavar="OUT.png", help="draw each run's final loss and time per group")
     args = parser.parse_args(argv)
+    if args.plot:  # before any work, as a missing matplotlib
+        try:
+            if problem := plot_path_problem(args.plot):
+                parser.error(problem)
+        except ImportError as e:
+            print(f"error: --plot needs matplotlib and scipy, optional extras ({e}): pip install matplotlib scipy",
+                  file=sys.stderr)
+            return 2
     try:
         runs, notes, failed = load_runs(expand(args.logs, "LOG"), args.skip_incomplete)
         against, against_notes, _ = (load_runs(expand(args.against, "--against"), args.skip_incomplete)
@@ -412,7 +438,7 @@ def main(argv=None) -> int:
                   *paired_test(runs, against, args.alpha), *time_test(runs, against, args.alpha)]
     if args.plot:
         lines.append(f"plot written to {args.plot}")
-    print("\n".join(lines))
+    say("\n".join(lines))
     return 0
 
 

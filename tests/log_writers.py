@@ -158,25 +158,30 @@ TORCH_89_EXTRA_FILE = ("\n" + "-" * 40 + "\n# triton_kernels.py\n" + "-" * 40 + 
 
 
 def write_torch_log(path, val_losses, N=40, every=10, step_ms=120.0, compile_ms=17000.0,
-                    hyperparameters=TORCH_HYPERPARAMETERS, end="complete", extra_source=""):
+                    hyperparameters=TORCH_HYPERPARAMETERS, end="complete", extra_source="", clock_restart=10):
     """A log as the PyTorch speedrun's script writes it: print(code), a rule, versions, nvidia-smi,
-    a rule, then step lines whose clock restarts after step 10 (the first steps include
-    compilation), val lines every `every` steps and at the end, and the peak memory. end: "complete",
+    a rule, then step lines whose clock restarts after step 10 (records 18-21: the first steps include
+    compilation; clock_restart=None: from record 22 on, compiled in a warm-up before the clock, every
+    step timed), val lines every `every` steps and at the end, and the peak memory. end: "complete",
     or where the file is cut off: "source", "environment" or "mid_run" (inside a step line)."""
     script = torch_script(N, every, hyperparameters) + extra_source
     text = (script + "\n" + RULE + "\nRunning Python 3.12.7 (main, Jan 17 2025, 03:57:17) [GCC 13.2.0]\n"
             "Running PyTorch 2.7.0.dev20250110+cu126 compiled for CUDA 12.6\n" + NVIDIA_SMI + "\n" + RULE + "\n")
     ms, val = 0.0, iter(val_losses)
     for step in range(N + 1):
-        if step == 10:
+        if step == clock_restart:
             ms = 0.0  # the speedrun's clock restarts here
-        timed = None if step <= 11 else step - 10 + 1  # its step_avg is nan until step 12
+        if clock_restart is None:  # every step timed: step_avg over all of them
+            val_timed = train_timed = None
+        else:  # its step_avg is nan until step 12
+            timed = None if step <= 11 else step - 10 + 1
+            val_timed, train_timed = timed and timed - 1 or 0, timed or 0
         if step == N or step % every == 0:
-            text += val_line(step, N, next(val), ms, timed and timed - 1 or 0) + "\n"
+            text += val_line(step, N, next(val), ms, val_timed) + "\n"
         if step == N:
             break
-        ms += step_ms + (compile_ms if step == 0 else 0)
-        text += train_line(step + 1, N, ms, timed or 0) + "\n"
+        ms += step_ms + (compile_ms if step == 0 and clock_restart is not None else 0)
+        text += train_line(step + 1, N, ms, train_timed) + "\n"
     text += "peak memory allocated: 37653 MiB reserved: 39236 MiB\n"
     cut = {"complete": len(text), "source": text.index("class Hyperparameters") + 30,
            "environment": text.index("NVIDIA-SMI") + 5, "mid_run": text.index(f"step:{N // 2 + 1}/{N}") + 8}[end]

@@ -509,6 +509,38 @@ def test_the_time_test_puts_our_runs_on_the_pytorch_clock(tmp_path, capsys):
     assert f"mean training time of the runs < that of the --against runs: t = {welch.statistic:.3f}" in out
 
 
+def test_the_time_test_against_pytorch_logs_that_time_every_step(tmp_path, capsys):
+    """From record 22 on (record 89's logs) the PyTorch script compiles in a warm-up and its clock covers
+    every step, as ours: the times compare as they are; with records 18-21's logs mixed in, they do not."""
+    ours = group(tmp_path, "o", [3.27, 3.28, 3.29], step_ms=100.0, devices="8 x NVIDIA H100 80GB HBM3 (gpu)")
+    one = "|   0  NVIDIA H100 80GB HBM3   On  |   7746MiB /  81559MiB  |\n"
+    eight = NVIDIA_SMI.replace(one, "".join(one.replace("|   0", f"|   {i}") for i in range(8)))
+    theirs = []
+    for i, loss in enumerate([3.28, 3.281, 3.279]):
+        path = write_torch_log(tmp_path / f"t{i}.txt", [10.8, 5, 4, 3.5, loss], step_ms=110.0 + i, clock_restart=None)
+        edit(path, NVIDIA_SMI, eight)
+        theirs.append(path)
+    assert parse_log(theirs[0]).untimed_steps == 0 and parse_log(theirs[0]).timed_steps == 40
+    assert stats.main(ours + ["--against"] + theirs) == 0
+    out = capsys.readouterr().out
+    a, b = [40 * (100 + i) / 1000 for i in range(3)], [40 * (110 + i) / 1000 for i in range(3)]
+    welch = scipy_stats.ttest_ind(a, b, equal_var=False, alternative="less")
+    assert (f"training time on the clock of every step (the PyTorch logs' starts after their warm-up compiled): runs "
+            f"mean {statistics.mean(a):.2f}s, --against runs mean {statistics.mean(b):.2f}s\nWelch's t-test, H1: mean "
+            f"training time of the runs < that of the --against runs: t = {welch.statistic:.3f}") in out
+    assert stats.main(theirs[:2] + ["--against", theirs[2]]) == 0  # PyTorch against PyTorch too
+    assert "training time on the clock of every step" in capsys.readouterr().out
+    old = write_torch_log(tmp_path / "old.txt", [10.8, 5, 4, 3.5, 3.283])  # records 18-21: restarts after step 10
+    edit(old, NVIDIA_SMI, eight)
+    assert stats.main(ours + ["--against", theirs[0], old]) == 0
+    assert ("times not comparable: the PyTorch logs' clocks leave out different numbers of first steps ([0, 10]: "
+            "records 18-21 restart theirs after step 10, later ones compile before it starts); no time test") \
+        in capsys.readouterr().out
+    assert compare.main([ours[0], theirs[0]]) == 0
+    assert ("clock of B (PyTorch): excludes validation; covers every step, compilation happens in a warm-up "
+            "before it") in capsys.readouterr().out
+
+
 def test_the_time_test_refuses_other_devices_and_other_clocks(tmp_path, capsys):
     cpu = group(tmp_path, "c", [3.27, 3.28])
     gpu = group(tmp_path, "g", [3.27, 3.28], devices="1 x NVIDIA H100 80GB HBM3 (gpu)")

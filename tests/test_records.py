@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -674,3 +675,90 @@ def test_the_tools_run_as_scripts_from_the_repo_root_without_jax(tmp_path):
              "c.main(); s.main(); assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]")
     nojax = subprocess.run([sys.executable, "-c", probe, good], cwd=ROOT, capture_output=True, text=True)
     assert nojax.returncode == 0, nojax.stderr
+
+
+# ---- what users met (a review, 2026-11-28): line ends, a diverged PyTorch run, --plot paths, pipes
+
+def test_a_log_copied_with_windows_line_ends_reads_the_same(tmp_path):
+    rng = np.random.default_rng()
+    for name, path in (("ours", write_log(tmp_path / "o.txt", HP, random_curve(rng), 100.0)),
+                       ("pytorch", write_torch_log(tmp_path / "t.txt", random_curve(rng)))):
+        crlf = tmp_path / f"{name}_crlf.txt"
+        with open(path, "rb") as f:
+            crlf.write_bytes(f.read().replace(b"\n", b"\r\n"))
+        a, b = parse_log(path), parse_log(str(crlf))
+        assert b.status == "complete" and b.layout == a.layout and b.source == a.source, name
+        assert repr((b.val_curve, b.train_steps, b.hyperparameters, b.environment)) == repr(  # (nan != nan)
+            (a.val_curve, a.train_steps, a.hyperparameters, a.environment)), name
+
+
+def test_a_pytorch_run_whose_final_val_loss_is_nan_is_a_failed_run(tmp_path, capsys):
+    """The PyTorch script trains on after a NaN, so a diverged run's log ends as a finished one's."""
+    good = stats_logs(tmp_path, [3.270, 3.271, 3.272], writer="pytorch")
+    diverged = write_torch_log(tmp_path / "nan.txt", [10.8, 5, 4, float("nan"), float("nan")])
+    run = parse_log(diverged)
+    assert run.status == "stopped" and not run.finished and math.isnan(run.val_curve[-1][1])
+    assert stats.main(good + [diverged]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {diverged}: the run did not finish (stopped, at step 40/40; its final val_loss is nan: it " \
+           f"diverged)" in err
+    assert stats.main(good + [diverged, "--skip-incomplete"]) == 0
+    out = capsys.readouterr().out
+    assert f"record claim does NOT hold: 1 run(s) failed ({diverged})" in out
+    png = tmp_path / "nan.png"  # its finite points drawn, the NaN ones left out
+    assert compare.main([diverged, good[0], "--allow-incomplete", "--plot", str(png)]) == 0
+    fig = compare.plot(parse_log(diverged), parse_log(good[0]), str(png))
+    assert list(fig.axes[0].lines[0].get_xdata()) == [0, 10, 20]
+
+
+@pytest.mark.parametrize("tool", ["stats", "compare"])
+def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(tool, tmp_path, capsys):
+    log = stats_logs(tmp_path, [3.27, 3.28])
+    run = {"stats": lambda extra: stats.main(log + extra), "compare": lambda extra: compare.main(log + extra)}[tool]
+    for path, message in ((tmp_path / "missing" / "x.png", f"--plot {tmp_path / 'missing' / 'x.png'}: "
+                           f"{tmp_path / 'missing'} is no folder this user can write to"),
+                          (tmp_path / "x.xyz", "'xyz' is not a format matplotlib writes; name the file .png"),
+                          (tmp_path / "x", "a file name without an extension is not a format matplotlib writes")):
+        with pytest.raises(SystemExit) as e:
+            run(["--plot", str(path)])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+        assert not path.exists()
+    assert run(["--plot", str(tmp_path / "x.svg")]) == 0 and (tmp_path / "x.svg").read_bytes()[:5] in (b"<?xml", b"<svg ")
+
+
+def test_a_reader_that_leaves_the_pipe_early_is_no_error(tmp_path):
+    """`compare.py A B | head` (its source diff is long), `logs.py DIR | head`: no traceback, exit 0."""
+    rng = np.random.default_rng()
+    a = write_log(tmp_path / "a.txt", HP, random_curve(rng), 100.0)
+    b = write_log(tmp_path / "b.txt", hp_with(40, muon_lr=0.05), random_curve(rng), 100.0)
+    for i in range(3):
+        write_log(tmp_path / f"c{i}.txt", HP, random_curve(rng), 100.0)
+    with open(tmp_path / "b.txt") as f:
+        text = f.read()
+    (tmp_path / "b.txt").write_text(text.replace("def ", "def  ", 400))  # a diff of hundreds of lines
+    for tool, args in (("compare.py", [a, str(tmp_path / "b.txt")]), ("logs.py", [str(tmp_path)] * 400)):
+        cmd = " ".join([shlex.quote(sys.executable), f"records/{tool}", *map(shlex.quote, args)]) + " | head -n 1"
+        r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stderr == "" and r.stdout.count("\n") == 1, (tool, r.returncode, r.stderr[-500:])
+
+
+def test_targets_and_levels_that_test_nothing_are_refused(capsys):
+    for args, message in ((["--target", "nan"], "--target must be a finite val loss (got 'nan')"),
+                          (["--target", "inf"], "--target must be a finite val loss"),
+                          (["--alpha", "0.6"], "--alpha must be a significance level between 0 and 0.5 (got '0.6')")):
+        with pytest.raises(SystemExit) as e:
+            stats.main(["x.txt", *args])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.main(["x.txt", "y.txt", "--target", "nan"])
+    assert "--target must be a finite val loss" in capsys.readouterr().err
+
+
+def test_a_glob_skips_the_attempts_verdicts_and_compare_says_it_takes_two_files(tmp_path, capsys):
+    logs = stats_logs(tmp_path, [3.27, 3.28, 3.275])
+    (tmp_path / "attempt_20261128_x.verdict").write_text("runs: 3 ...\n")
+    assert stats.main([str(tmp_path / "*")]) == 0 and "runs: 3 " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        compare.main([str(tmp_path / "*.txt"), logs[0]])
+    assert e.value.code == 2
+    assert f"{tmp_path / '*.txt'} is a pattern: compare.py takes two log files" in capsys.readouterr().err
