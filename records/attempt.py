@@ -201,6 +201,9 @@ def verdict(args, runs: list, total: int, command: str) -> str:
     if failed := [r for r in runs if r.failed]:
         lines.append(f"failed: {', '.join(f'run {r.number} (seed {r.seed})' for r in failed)}; a record claim "
                      f"cannot hold with failed runs")
+    if stopped_early:
+        lines.append(f"note: a test of {finished} of the {total} runs planned: stopping an attempt when its result "
+                     f"looks good makes a p-value smaller than it is; a claim counts the runs planned (--runs)")
     lines.append(f"reproduce (in {os.getcwd()}): python {shlex.join([shown(stats.__file__), *argv])}")
     return "\n".join(lines) + "\n" + report.getvalue()
 

@@ -430,7 +430,8 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             bad += 1
             continue
-        final = f"final val_loss {run.final_val_loss:.4f}, " if run.finished else ""
+        final = f"final val_loss {run.final_val_loss:.4f}, " if run.finished else \
+            f"{run.stop_reason or run.last_line}; " if run.status == "stopped" else ""  # why it stopped
         say(f"{path}: {run.describe()}, {run.status} at step {run.last_step}; {final}train_time "
               f"{run.train_time_ms or 0:.0f} ms over {run.timed_steps} timed steps, step_avg {run.step_avg_ms:.2f} ms"
               + (f", compile {run.compile_s:.1f} s" if run.compile_s is not None else ""))

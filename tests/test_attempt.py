@@ -207,6 +207,7 @@ def test_ctrl_c_stops_the_attempt_with_a_partial_verdict(fake):
     (verdict,) = [p for p in os.listdir(records) if p.endswith(".verdict")]
     text = open(os.path.join(records, verdict)).read()
     assert text.startswith("attempt verdict -- partial (1 of 3 runs): ") and text in out
+    assert "note: a test of 1 of the 3 runs planned: stopping an attempt when its result looks good" in text
     assert "run 2 (seed 21): interrupted" in text and "failed" not in text
     assert re.search(r"skipped \S*run_seed21.txt: the run did not finish \(interrupted at step 20/40\)", text)
     assert "runs: 1 (1 JAX train_gpt.py log)" in text and "one run: no t-test" in text

@@ -27,6 +27,7 @@ from log_writers import (HP, NVIDIA_SMI, RULE, TORCH_0126_HYPERPARAMETERS, TORCH
                          write_torch_log)
 from records import compare, stats  # noqa: E402
 from records.logs import OURS, PYTORCH, Expression, LogError, parse_log, require_complete, simple_value  # noqa: E402
+from records.logs import main as logs_main  # noqa: E402
 
 # ---- logs written by the real trainer: two runs of conftest's tiny attempt (seeds 0 and 1)
 
@@ -705,6 +706,11 @@ def test_a_pytorch_run_whose_final_val_loss_is_nan_is_a_failed_run(tmp_path, cap
     assert stats.main(good + [diverged, "--skip-incomplete"]) == 0
     out = capsys.readouterr().out
     assert f"record claim does NOT hold: 1 run(s) failed ({diverged})" in out
+    assert logs_main([diverged]) == 0  # logs.py says why it stopped
+    assert "stopped at step 40; its final val_loss is nan: it diverged; train_time" in capsys.readouterr().out
+    ours = write_log(tmp_path / "ours_nan.txt", HP, random_curve(np.random.default_rng()), 100.0, end="stopped")
+    assert logs_main([ours]) == 0 and "stopped at step 20; stopped: non-finite train loss nan at step 20; " \
+        in capsys.readouterr().out
     png = tmp_path / "nan.png"  # its finite points drawn, the NaN ones left out
     assert compare.main([diverged, good[0], "--allow-incomplete", "--plot", str(png)]) == 0
     fig = compare.plot(parse_log(diverged), parse_log(good[0]), str(png))
