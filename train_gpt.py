@@ -2505,7 +2505,7 @@ def train_docs(hp: Hyperparameters, files: list):
     """Yields the StepDocs of steps 0, 1, 2, ... (the reference's Shard.next_batch at world size 8);
     raises DataError at the step where the files run out."""
     shard, tokens, bos_n, first = -1, np.zeros(0, np.uint16), np.zeros(0, np.int64), 0  # no shard: loads file 0
-    step, cumlen_n1, cumlen_key = 0, None, None
+    step, cumlen_n1, cumlen_key, documents = 0, None, None, 0
     while True:
         stage = hp.stages[stage_of(step, hp)[0]]
         T = stage.batch_size // RANKS
@@ -2514,6 +2514,11 @@ def train_docs(hp: Hyperparameters, files: list):
         found = rank_docs(bos_n, cumlen_n1, first, T)
         if found is None:
             shard += 1
+            if shard == len(files) and not documents:  # batches are whole documents from a --bos-id on
+                raise DataError(
+                    f"the {len(files)} files matching --train-files {os.path.abspath(hp.train_files)!r} hold no "
+                    f"--bos-id {hp.bos_id} token, which starts each document: shards of another tokenizer (give "
+                    f"its --bos-id and --vocab-size), or not token shards")
             if shard == len(files):
                 raise DataError(
                     f"the train shards ran out at step {step}: the {len(files)} files matching --train-files "
@@ -2522,6 +2527,7 @@ def train_docs(hp: Hyperparameters, files: list):
                     f"or lower --num-scheduled-iterations")
             tokens = open_shard(files[shard])
             bos_n, first = np.flatnonzero(tokens == hp.bos_id), 0
+            documents += bos_n.size
             continue
         starts, ends, first = found
         docs = max(len(s) for s in starts)

@@ -6,12 +6,15 @@ fetches fineweb_val_000000.bin and train shards 1..N (100M tokens each; the repo
 what record 89 reads, 339M tokens from about 410M of shards, and record 20's 730M) from the dataset
 repo kjj0/fineweb10B-gpt2 into --out
 (default data/fineweb10B, relative to the current folder), one file at a time.
-Shards already present and valid are skipped without touching the network. Every file's header
-and size are checked; a bad one is moved aside (NAME.bad) and reported. Exit code 0 when all N+1
-shards are valid, 1 when a file was bad or the hub refused it, 2 when the hub cannot be reached or
-N is not in 0..103.
+Shards already present and valid are skipped without touching the network; one whose token count
+is not FineWeb's 100M is named (a shard of your own under FineWeb's name?). Every file's header and
+size are checked; a bad one is moved aside (NAME.bad, or NAME.bad.1, ... : none is overwritten) and
+reported. Exit code 0 when all N+1 shards are valid, 1 when a file was bad or the hub refused it, 2
+when the hub cannot be reached or the connection broke, --out cannot be written (a full disk), or N
+is not in 0..103.
 """
 import argparse
+import importlib
 import os
 import socket
 import sys
@@ -22,15 +25,48 @@ import urllib.request
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import ShardError, read_header  # noqa: E402
+from data.shards import OutputError, ShardError, output_folder, read_header, write_failure  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 TRAIN_SHARDS = 103  # fineweb_train_000001.bin .. fineweb_train_000103.bin in REPO_ID
+SHARD_TOKENS = 100_000_000  # each of REPO_ID's shards (the last train shard may hold fewer)
 DEFAULT_OUT = os.path.join("data", "fineweb10B")  # relative to the current folder, like every path given
 
 
 class HubUnreachable(RuntimeError):
     pass
+
+
+def transport_errors() -> tuple:
+    """The HTTP client's errors for a connection that broke or stalled mid-file (huggingface_hub 2 uses
+    httpx2, earlier versions httpx or requests), besides Python's own ConnectionError and TimeoutError."""
+    found = [ConnectionError, TimeoutError, LocalEntryNotFoundError, OfflineModeIsEnabled]
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "RequestException")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+def hub_answer(e: BaseException):
+    """The hub's HTTP error behind an exception, if it answered (huggingface_hub wraps a failed lookup's
+    HTTP error, a 403 or a 500, in LocalEntryNotFoundError), else None: no answer at all."""
+    while e is not None:
+        if isinstance(e, HfHubHTTPError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def set_aside(path: str) -> str:
+    """Move a bad file to PATH.bad (PATH.bad.1, ... when taken: an earlier one is kept); its new name."""
+    bad, k = path + ".bad", 0
+    while os.path.lexists(bad):
+        k += 1
+        bad = f"{path}.bad.{k}"
+    os.replace(path, bad)
+    return bad
 
 
 def shard_names(n: int) -> list:
@@ -97,20 +133,24 @@ def is_valid(path: str) -> bool:
 
 def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, log=print) -> list:
     """Make sure the val shard and train shards 1..n exist and are valid; returns the bad files' errors.
-    Raises HubUnreachable (with what is missing and what to do) when the hub cannot be reached."""
+    Raises HubUnreachable (with what is missing and what to do) when the hub cannot be reached or the
+    connection breaks, OutputError when out_dir cannot be written, OSError when a write fails (full disk)."""
     if not 0 <= n <= TRAIN_SHARDS:
         raise ValueError(count_error(n))
-    os.makedirs(out_dir, exist_ok=True)
+    output_folder(out_dir)
     names = shard_names(n)
-    problems = []
+    problems, no_answer = [], transport_errors()
     for i, name in enumerate(names, 1):
         path = os.path.join(out_dir, name)
         if os.path.exists(path) and is_valid(path):
-            log(f"[{i}/{len(names)}] {name}: present, valid")
+            tokens = read_header(path)
+            odd = tokens != SHARD_TOKENS and name != f"fineweb_train_{TRAIN_SHARDS:06d}.bin"
+            log(f"[{i}/{len(names)}] {name}: present, valid" + (
+                f"; note: {tokens:,} tokens where {REPO_ID}'s hold {SHARD_TOKENS:,}: a shard of your own under "
+                f"FineWeb's name? (it is used as it is)" if odd else ""))
             continue
         if os.path.exists(path):
-            log(f"[{i}/{len(names)}] {name}: present but invalid, downloading again")
-            os.replace(path, path + ".bad")
+            log(f"[{i}/{len(names)}] {name}: present but invalid, moved to {set_aside(path)}; downloading again")
         log(f"[{i}/{len(names)}] {name}: downloading from {REPO_ID}")
         try:
             path = download(name, out_dir)
@@ -118,14 +158,18 @@ def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, lo
             problems.append(f"{name}: the hub {REPO_ID} answered: {first_line(e)}")
             log(f"[{i}/{len(names)}] {name}: FAILED: {first_line(e)}")
             continue
-        except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError) as e:  # no answer
+        except no_answer as e:  # no answer, or the connection broke or stalled mid-file
+            if answer := hub_answer(e):
+                problems.append(f"{name}: the hub {REPO_ID} answered: {first_line(answer)}")
+                log(f"[{i}/{len(names)}] {name}: FAILED: {first_line(answer)}")
+                continue
             missing = [m for m in names[i - 1:] if not os.path.exists(os.path.join(out_dir, m))]
             raise HubUnreachable(unreachable_message(name, missing, out_dir, e)) from None
         try:
             read_header(path)
         except ShardError as e:
-            os.replace(path, path + ".bad")
-            problems.append(f"{e} (moved to {path}.bad)")
+            bad = set_aside(path)
+            problems.append(f"{e} (moved to {bad})")
             log(f"[{i}/{len(names)}] {name}: INVALID: {e}")
     return problems
 
@@ -140,8 +184,11 @@ def main(argv=None) -> int:
         parser.error(count_error(args.n))
     try:
         problems = download_shards(args.n, args.out)
-    except HubUnreachable as e:
+    except (HubUnreachable, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a write failed: a full disk, the folder made read-only meanwhile
+        print(f"error: {write_failure(e, args.out)}", file=sys.stderr)
         return 2
     for p in problems:
         print(f"error: {p}", file=sys.stderr)

@@ -8,9 +8,10 @@ Inputs: .txt files (one document per file, or documents split on lines equal to 
 "text" column; needs the optional package pyarrow), and folders (searched for those). Each document
 is preceded by <|endoftext|> (50256) and documents are packed back to back across shards. The first
 shard is the val shard NAME_val_000000.bin, the rest NAME_train_000001.bin, ... Shards appear under
-their final names only when complete (an interrupted run leaves complete shards only), and the tool
-refuses an --out that already holds NAME_* shards (exit 2). Relative paths are relative to the
-current folder. Tokenizing uses all cores (--workers, in spawned processes). GPT-2's BPE is read from
+their final names only when complete (an interrupted run leaves complete shards only; an input
+that turns out unreadable, a record without text, removes the shards this run wrote, so that no set
+looks complete), and the tool refuses an --out that already holds NAME_* shards (exit 2). Relative
+paths are relative to the current folder. Tokenizing uses all cores (--workers, in spawned processes). GPT-2's BPE is read from
 data/gpt2.tiktoken, shipped with the repository, so tokenizing needs no network.
 """
 import argparse
@@ -27,7 +28,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import read_header, refuse_old_shards, write_shard  # noqa: E402
+from data.cached_fineweb10B import hub_answer, transport_errors  # noqa: E402
+from data.shards import (OutputError, output_folder, read_header, refuse_old_shards, write_failure,  # noqa: E402
+                         write_shard)
+
+INPUT_TYPES = ("txt", "jsonl", "parquet")
+MAX_SHARD_TOKENS = 2**31 - 1  # the header's int32 count
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb"
 SAMPLE_10BT_FILES = 14  # sample/10BT/000_00000.parquet .. 013_00000.parquet
@@ -43,12 +49,15 @@ def input_files(paths: list) -> list:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            files += sorted(p for ext in ("txt", "jsonl", "parquet")
+            files += sorted(p for ext in INPUT_TYPES
                             for p in glob.glob(os.path.join(path, "**", f"*.{ext}"), recursive=True))
-        elif os.path.exists(path):
-            files.append(path)
-        else:
+        elif not os.path.exists(path):
             raise FileNotFoundError(f"input {path} does not exist (looked for {os.path.abspath(path)})")
+        elif not path.endswith(tuple(f".{ext}" for ext in INPUT_TYPES)):
+            raise ValueError(f"input {path}: not a .txt, .jsonl or .parquet file (a .json array, a compressed "
+                             f"file: convert it to one document per line of .jsonl first)")
+        else:
+            files.append(path)
     return files
 
 
@@ -61,18 +70,35 @@ def pyarrow_parquet():
 
 
 def read_documents(path: str, separator: str | None = None):
-    """Yield the documents (str) of one input file."""
+    """Yield the documents (str) of one input file; ValueError names a file or record that is not text."""
+    try:
+        yield from _documents(path, separator)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _documents(path: str, separator: str | None):
     if path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        yield json.loads(line)["text"]
+                        text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ValueError(f"{path} line {n} is not a JSON object with a 'text' field") from None
+                        text = None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{path} line {n} is not a JSON object with a 'text' field holding text")
+                    yield text
     elif path.endswith(".parquet"):
-        for batch in pyarrow_parquet().ParquetFile(path).iter_batches(columns=["text"]):
-            yield from batch.column("text").to_pylist()
+        parquet = pyarrow_parquet().ParquetFile(path)
+        if "text" not in parquet.schema_arrow.names:
+            raise ValueError(f"{path} has no 'text' column (its columns: {', '.join(parquet.schema_arrow.names)})")
+        for batch in parquet.iter_batches(columns=["text"]):
+            texts = batch.column("text").to_pylist()
+            if not all(isinstance(t, str) for t in texts):
+                kind = next(type(t).__name__ for t in texts if not isinstance(t, str))
+                raise ValueError(f"{path}: its 'text' column holds {kind} values, not only text")
+            yield from texts
     else:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -139,10 +165,11 @@ def encode_documents(encoding, docs: list) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(out), np.uint16) if out else np.zeros(0, np.uint16)
 
 
-def write_token_stream(chunks, out_dir: str, name: str, shard_tokens: int) -> list:
-    """Cut a stream of token arrays into shards: first val, then train 1, 2, ..."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths, buffer, filled = [], np.empty(shard_tokens, np.uint16), 0
+def write_token_stream(chunks, out_dir: str, name: str, shard_tokens: int, paths: list = None) -> list:
+    """Cut a stream of token arrays into shards: first val, then train 1, 2, ...; each path is appended
+    to `paths` (given: the caller's list) as its shard is written."""
+    output_folder(out_dir)
+    paths, buffer, filled = [] if paths is None else paths, np.empty(shard_tokens, np.uint16), 0
 
     def flush(n):
         split = "val" if not paths else "train"
@@ -176,20 +203,31 @@ def tokenize_to_shards(documents, out_dir: str, name: str = "fineweb", shard_tok
     refuse_old_shards(out_dir, name, OLD_SHARDS_FIX)
     # Loaded here, once: a pool initializer that fails (no BPE files) would be respawned forever.
     encoding = encoding or gpt2_encoding()
-    chunks = batched(documents, CHUNK_DOCS)
-    if workers <= 1:
-        return write_token_stream((encode_documents(encoding, c) for c in chunks), out_dir, name, shard_tokens)
-    # spawn, not fork: the caller may have imported JAX, whose threads a forked child could deadlock on.
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                                     initargs=(_encoding_definition(encoding),))
-    with pool:
-        return write_token_stream(pool.imap(_encode_chunk, chunks, chunksize=4), out_dir, name, shard_tokens)
+    chunks, written = batched(documents, CHUNK_DOCS), []
+    try:
+        if workers <= 1:
+            return write_token_stream((encode_documents(encoding, c) for c in chunks), out_dir, name, shard_tokens,
+                                      written)
+        # spawn, not fork: the caller may have imported JAX, whose threads a forked child could deadlock on.
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
+                                                         initargs=(_encoding_definition(encoding),))
+        with pool:
+            return write_token_stream(pool.imap(_encode_chunk, chunks, chunksize=4), out_dir, name, shard_tokens,
+                                      written)
+    except ValueError:  # an input that is not text: the shards so far would look like a complete set
+        for path in written:
+            os.remove(path)
+        raise
+
+
+class DownloadError(RuntimeError):
+    pass
 
 
 def download_fineweb_sample(k: int, out_dir: str) -> list:
     """The first k parquet files of FineWeb sample-10BT (raw text, ~2 GB each), one at a time."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError
 
     paths, raw_dir = [], os.path.join(out_dir, "raw")
     for i in range(k):
@@ -197,11 +235,14 @@ def download_fineweb_sample(k: int, out_dir: str) -> list:
         print(f"[{i + 1}/{k}] {name}")
         try:
             paths.append(hf_hub_download(FINEWEB_REPO, name, repo_type="dataset", local_dir=raw_dir))
-        except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError) as e:
-            raise SystemExit(f"could not download {name} from the Hugging Face dataset repo {FINEWEB_REPO} "
-                             f"({type(e).__name__}). Connect to the internet (unset HF_HUB_OFFLINE; HF_ENDPOINT "
-                             f"for a mirror), or download the parquet files elsewhere and pass them as inputs."
-                             ) from None
+        except (HfHubHTTPError, *transport_errors()) as e:
+            if answer := hub_answer(e):
+                raise DownloadError(f"could not download {name}: the hub {FINEWEB_REPO} answered "
+                                    f"{type(answer).__name__}: {str(answer).strip().splitlines()[0]}") from None
+            raise DownloadError(f"could not download {name} from the Hugging Face dataset repo {FINEWEB_REPO} "
+                                f"({type(e).__name__}). Connect to the internet (unset HF_HUB_OFFLINE; HF_ENDPOINT "
+                                f"for a mirror), or download the parquet files elsewhere and pass them as inputs."
+                                ) from None
     return paths
 
 
@@ -210,36 +251,50 @@ def main(argv=None) -> int:
     parser.add_argument("inputs", nargs="*", help=".txt, .jsonl, .parquet files or folders")
     parser.add_argument("--out", required=True, help="folder for the shards")
     parser.add_argument("--name", default="fineweb", help="shard name prefix")
-    parser.add_argument("--shard-tokens", type=int, default=100_000_000)
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000, help=f"tokens a shard, 1..{MAX_SHARD_TOKENS}")
     parser.add_argument("--separator", help="a line that separates documents inside .txt files")
-    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes, at least 1")
     parser.add_argument("--fineweb-sample10bt", type=int, default=0, metavar="K",
                         help="download and tokenize the first K raw FineWeb sample-10BT parquet files")
     args = parser.parse_args(argv)
     k = args.fineweb_sample10bt
-    if args.shard_tokens < 1:
-        parser.error("--shard-tokens must be >= 1")
+    if not 1 <= args.shard_tokens <= MAX_SHARD_TOKENS:
+        parser.error(f"--shard-tokens {args.shard_tokens}: must be in 1..{MAX_SHARD_TOKENS} (the header's int32 count)")
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: must be at least 1")
     if not 0 <= k <= SAMPLE_10BT_FILES:
         parser.error(f"--fineweb-sample10bt takes 0..{SAMPLE_10BT_FILES} (the sample has {SAMPLE_10BT_FILES} files)")
     try:
         files = input_files(args.inputs)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     if not files and not k:
         parser.error("no inputs: give files or folders, or --fineweb-sample10bt K")
     try:  # checked again by tokenize_to_shards; here, before any download
         refuse_old_shards(args.out, args.name, OLD_SHARDS_FIX)
-    except FileExistsError as e:
+        output_folder(args.out)
+    except (FileExistsError, OutputError) as e:
         parser.error(str(e))
     # Everything that can fail fast does so before any download or tokenizing, not hours later.
     if k or any(f.endswith(".parquet") for f in files):
         pyarrow_parquet()
     encoding = gpt2_encoding()
     if k:
-        files += download_fineweb_sample(k, args.out)
+        try:
+            files += download_fineweb_sample(k, args.out)
+        except DownloadError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     documents = (doc for path in files for doc in read_documents(path, args.separator))
     t0 = time.perf_counter()
-    paths = tokenize_to_shards(documents, args.out, args.name, args.shard_tokens, encoding, args.workers)
+    try:
+        paths = tokenize_to_shards(documents, args.out, args.name, args.shard_tokens, encoding, args.workers)
+    except ValueError as e:
+        print(f"error: {e}; no shard kept: fix the input and run again", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, the folder made read-only meanwhile
+        print(f"error: {write_failure(e, args.out)}", file=sys.stderr)
+        return 2
     seconds = time.perf_counter() - t0
     total = sum(read_header(p) for p in paths)
     print(f"wrote {len(paths)} shards, {total:,} tokens, to {os.path.abspath(args.out)} in {seconds:.1f}s "

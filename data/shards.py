@@ -1,4 +1,5 @@
-"""The token shard format, read and written in one place (train_gpt.py and every data/ tool use it).
+"""The token shard format, read and written in one place for the data/ tools and the tests (train_gpt.py,
+which stands alone, carries its own reader of the same format; a test keeps the two in agreement).
 
 A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count N, zeros),
 then N little-endian uint16 GPT-2 token ids: 1024 + 2·N bytes in all.
@@ -17,6 +18,32 @@ EOT = 50256  # <|endoftext|>: precedes every document
 
 class ShardError(ValueError):
     """A shard file that cannot be used; the message names the file and the fix."""
+
+
+class OutputError(OSError):
+    """Shards cannot be written where asked; the message names the folder and the fix."""
+
+
+def output_folder(out_dir: str, flag: str = "--out") -> str:
+    """Make the folder shards go to (absolute path returned), or raise OutputError saying why not."""
+    path = os.path.abspath(out_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OutputError(f"{flag} {path} is a file, not a folder: choose a folder for the shards")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot make the {flag} folder {path} ({e.strerror}): choose a folder this user can "
+                          f"write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OutputError(f"the {flag} folder {path} cannot be written: choose a folder this user can write to")
+    return path
+
+
+def write_failure(e: OSError, out_dir: str, flag: str = "--out") -> str:
+    """The message of a write that failed half-way (a full disk...): what, where, and that finished shards stay."""
+    what = e.strerror or str(e)
+    return (f"cannot write {e.filename or 'a shard'} ({what}); shards finished before it stay in "
+            f"{os.path.abspath(out_dir)}: make room (or choose another {flag}) and run again")
 
 
 def write_shard(path, tokens) -> None:

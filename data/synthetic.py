@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import EOT, refuse_old_shards, write_shard  # noqa: E402
+from data.shards import EOT, OutputError, output_folder, refuse_old_shards, write_failure, write_shard  # noqa: E402
 
 STREAM_TOKENS = 4000  # tokens per independent stream; streams are advanced together (vectorised)
 
@@ -69,7 +69,7 @@ def write_synthetic_shards(out_dir: str, seed: int = 0, train_tokens: int = 20_0
     """Train shards of shard_tokens each, then the val shard (its own random stream); returns their paths, val
     first. Raises FileExistsError, writing nothing, when out_dir already holds synthetic_* shards."""
     refuse_old_shards(out_dir, "synthetic", "Delete them or choose another --out.")
-    os.makedirs(out_dir, exist_ok=True)
+    output_folder(out_dir)
     text = dict(mean_doc_len=mean_doc_len, vocab=vocab)
     train = synthetic_tokens(train_tokens, seed, stream=1, **text)
     paths = [os.path.join(out_dir, "synthetic_val_000000.bin")]
@@ -84,7 +84,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join("data", "synthetic"),
                         help="folder for the shards, relative to the current folder (default: data/synthetic)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the token streams, 0 or more")
     parser.add_argument("--train-tokens", type=int, default=20_000_000)
     parser.add_argument("--val-tokens", type=int, default=2_000_000)
     parser.add_argument("--shard-tokens", type=int, default=10_000_000)
@@ -92,6 +92,8 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, help="vocabulary size V: V - 1 token ids with Zipf-like frequencies "
                         "(50257: all of GPT-2's); default: the 2,048-id model")
     args = parser.parse_args(argv)
+    if args.seed < 0:
+        parser.error(f"--seed {args.seed}: must be 0 or more")
     if min(args.train_tokens, args.val_tokens) < 0 or args.shard_tokens < 1:
         parser.error("token counts must be >= 0 and --shard-tokens >= 1")
     if args.mean_doc_len < 1:
@@ -102,13 +104,18 @@ def main(argv=None):
     try:
         paths = write_synthetic_shards(args.out, args.seed, args.train_tokens, args.val_tokens, args.shard_tokens,
                                        args.mean_doc_len, args.vocab)
-    except FileExistsError as e:
+    except (FileExistsError, OutputError) as e:
         parser.error(str(e))
+    except OSError as e:  # a full disk, the folder made read-only meanwhile
+        print(f"error: {write_failure(e, args.out)} (the val shard, written last, marks a complete set)",
+              file=sys.stderr)
+        return 2
     seconds = time.perf_counter() - t0
     total = args.train_tokens + args.val_tokens
     print(f"wrote {len(paths)} synthetic shards ({total:,} tokens) to {os.path.abspath(args.out)} in {seconds:.1f}s "
           f"({total / seconds:,.0f} tokens/s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -474,3 +474,126 @@ def test_run_sh_sets_up_one_process_at_a_time(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert waited and "another run.sh in" in err and "waiting for it" in err, (out, err)
     assert proc.returncode == 0 and out.rstrip().endswith("help"), err
+
+
+# ---- what users met (a review, 2026-11-28): broken connections, full or read-only folders, bad inputs
+
+
+def test_a_connection_that_breaks_mid_file_is_a_message_and_exit_2(tmp_path, capsys, monkeypatch):
+    import httpx2
+
+    done = []
+
+    def breaks(repo_id, filename, repo_type, local_dir):  # the val shard arrives, train shard 1's connection drops
+        if filename == "fineweb_train_000001.bin":
+            raise httpx2.RemoteProtocolError("peer closed connection without sending complete message body")
+        return fake_hub(done)(filename, local_dir)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(cached_fineweb10B, "resolve", lambda host: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", breaks)
+    assert cached_fineweb10B.main(["2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "could not download fineweb_train_000001.bin" in err and "RemoteProtocolError" in err
+    assert "Missing in" in err and "fineweb_train_000002.bin" in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["fineweb_val_000000.bin"]
+
+
+def test_a_hub_that_answers_with_an_error_is_not_told_to_connect(tmp_path):
+    """huggingface_hub wraps a failed lookup's HTTP error (a 403, a 500) in LocalEntryNotFoundError."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    def refuses(name, out_dir):
+        try:
+            raise HfHubHTTPError("403 Forbidden: gated", response=SimpleNamespace(headers={}, request=None))
+        except HfHubHTTPError as e:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub") from e
+
+    problems = cached_fineweb10B.download_shards(0, str(tmp_path), refuses, log=lambda *_: None)
+    assert problems == ["fineweb_val_000000.bin: the hub kjj0/fineweb10B-gpt2 answered: HfHubHTTPError: 403 "
+                        "Forbidden: gated"]
+
+
+def test_a_bad_file_set_aside_never_replaces_an_earlier_one(tmp_path):
+    calls = []
+    for garbage in (b"first garbage", b"second garbage"):
+        (tmp_path / "fineweb_val_000000.bin").write_bytes(garbage)
+        cached_fineweb10B.download_shards(0, str(tmp_path), fake_hub(calls), log=lambda *_: None)
+    assert (tmp_path / "fineweb_val_000000.bin.bad").read_bytes() == b"first garbage"
+    assert (tmp_path / "fineweb_val_000000.bin.bad.1").read_bytes() == b"second garbage"
+
+
+def test_a_present_shard_of_another_size_is_named(tmp_path):
+    write_shard(tmp_path / "fineweb_val_000000.bin", np.arange(3000) % 50257)  # not FineWeb's 100M tokens
+    lines = []
+    assert cached_fineweb10B.download_shards(0, str(tmp_path), fake_hub([]), log=lines.append) == []
+    assert lines == ["[1/1] fineweb_val_000000.bin: present, valid; note: 3,000 tokens where kjj0/fineweb10B-gpt2's "
+                     "hold 100,000,000: a shard of your own under FineWeb's name? (it is used as it is)"]
+
+
+@pytest.mark.parametrize("tool", ["download", "tokenize", "synthetic"])
+def test_an_out_folder_that_cannot_be_written_is_a_message_and_exit_2(tool, tmp_path, capsys):
+    (tmp_path / "docs.txt").write_text("a document\n")
+    run = {"download": lambda out: cached_fineweb10B.main(["0", "--out", out]),
+           "tokenize": lambda out: fineweb.main([str(tmp_path / "docs.txt"), "--out", out, "--workers", "1"]),
+           "synthetic": lambda out: synthetic.main(["--out", out, "--train-tokens", "1000", "--val-tokens", "100"])}[tool]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    for out, message in ((str(a_file), f"{a_file} is a file, not a folder"),
+                         (str(a_file / "sub"), f"cannot make the --out folder {a_file / 'sub'}")):
+        try:
+            code = run(out)
+        except SystemExit as e:  # argparse's error
+            code = e.code
+        assert code == 2 and message in capsys.readouterr().err, (tool, out)
+    assert a_file.read_text() == "keep me"
+
+
+def test_a_write_that_fails_half_way_is_a_message_and_keeps_the_finished_shards(tmp_path, capsys, monkeypatch):
+    written = []
+
+    def fills_up(path, tokens):  # the disk is full from the third shard on
+        if len(written) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        written.append(path)
+        real_write_shard(path, tokens)
+
+    real_write_shard = synthetic.write_shard
+    monkeypatch.setattr(synthetic, "write_shard", fills_up)
+    code = synthetic.main(["--out", str(tmp_path / "s"), "--train-tokens", "3000", "--val-tokens", "100",
+                           "--shard-tokens", "1000"])
+    err = capsys.readouterr().err
+    assert code == 2 and "No space left on device" in err and "make room" in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path / "s")) == ["synthetic_train_000001.bin", "synthetic_train_000002.bin"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "fine"}\n{"text": 5}\n', "docs.jsonl line 2 is not a JSON object with a 'text' field holding text"),
+    ('{"text": null}\n', "docs.jsonl line 1 is not a JSON object"),
+    (b'{"text": "caf\xe9"}\n', "docs.jsonl is not UTF-8 text (invalid continuation byte at byte 13)"),
+])
+def test_an_input_that_is_not_text_is_a_message_and_leaves_no_shard(content, message, tmp_path, capsys):
+    good = tmp_path / "a_good.jsonl"  # first: its shards are written before the bad record is met
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
+    bad = tmp_path / "docs.jsonl"
+    bad.write_bytes(content if isinstance(content, bytes) else content.encode())
+    out = tmp_path / "out"
+    assert fineweb.main([str(good), str(bad), "--out", str(out), "--shard-tokens", "100", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no shard kept" in err and "Traceback" not in err
+    assert os.listdir(out) == []  # no set that looks complete, and a rerun is not refused
+
+
+def test_the_tokenizer_refuses_other_file_types_and_nonsense_sizes(tmp_path, capsys):
+    (tmp_path / "docs.json").write_text('[{"text": "a"}]')
+    (tmp_path / "docs.txt").write_text("a document\n")
+    for args, message in (([str(tmp_path / "docs.json")], "not a .txt, .jsonl or .parquet file"),
+                          ([str(tmp_path / "docs.txt"), "--workers", "0"], "--workers 0: must be at least 1"),
+                          ([str(tmp_path / "docs.txt"), "--shard-tokens", str(2**31)], "must be in 1..2147483647")):
+        with pytest.raises(SystemExit) as e:
+            fineweb.main([*args, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as e:
+        synthetic.main(["--out", str(tmp_path / "s"), "--seed", "-1"])
+    assert e.value.code == 2 and "--seed -1: must be 0 or more" in capsys.readouterr().err

@@ -168,6 +168,14 @@ def test_train_runs_out_names_the_step(train_files):
     assert 0 < got < 15 and f"at step {got}:" in str(e.value) and "cached_fineweb10B" in str(e.value)
 
 
+def test_shards_without_a_document_start_are_named_as_such(tmp_path):
+    """No --bos-id token in any shard (another tokenizer's, or not token shards): not 'ran out at step 0'."""
+    path = str(tmp_path / "no_bos.bin")
+    write_shard(path, np.random.default_rng().integers(0, tg.BOS, 200_000))
+    with pytest.raises(tg.DataError, match=f"hold no --bos-id {tg.BOS} token, which starts each document"):
+        next(tg.train_docs(SMALL, [path]))
+
+
 def test_too_many_documents(tmp_path):
     path = str(tmp_path / "short_docs.bin")
     write_shard(path, np.tile([BOS, 5], 20_000))  # 2-token documents: 129 per chunk of 256 tokens
