@@ -3080,6 +3080,10 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
     gpt2_vocab()
     train_files = shard_files(hp.train_files, "--train-files")
     val_files = shard_files(hp.val_files, "--val-files")
+    if both := sorted(set(map(os.path.realpath, train_files)) & set(map(os.path.realpath, val_files))):
+        raise ConfigError(f"{both[0]} matches both --train-files {hp.train_files!r} and --val-files "
+                          f"{hp.val_files!r}: the run would train on its validation data; give --train-files a "
+                          f"pattern of the train shards alone (e.g. DIR/*_train_*.bin)")
     reached = 0  # the train shards the run's steps read (FineWeb's 103 are 20 GB; the record reads 5)
     for _, docs in zip(range(hp.total_steps), train_docs(hp, train_files)):  # DataError where they run out
         reached = docs.shard + 1

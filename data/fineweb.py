@@ -36,7 +36,7 @@ INPUT_TYPES = ("txt", "jsonl", "parquet")
 MAX_SHARD_TOKENS = 2**31 - 1  # the header's int32 count
 
 FINEWEB_REPO = "HuggingFaceFW/fineweb"
-SAMPLE_10BT_FILES = 14  # sample/10BT/000_00000.parquet .. 013_00000.parquet
+SAMPLE_10BT_FILES = 15  # sample/10BT/000_00000.parquet .. 014_00000.parquet (~2.1 GB each, the last ~0.55 GB)
 CHUNK_DOCS = 256  # documents per task handed to a worker
 OLD_SHARDS_FIX = "Delete them or choose another --out or --name."
 # GPT-2's token ranks: tiktoken's r50k_base file (this hash is the one tiktoken checks it by), the ranks of
@@ -225,7 +225,7 @@ class DownloadError(RuntimeError):
 
 
 def download_fineweb_sample(k: int, out_dir: str) -> list:
-    """The first k parquet files of FineWeb sample-10BT (raw text, ~2 GB each), one at a time."""
+    """The first k parquet files of FineWeb sample-10BT (raw text, ~2 GB each but the last), one at a time."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError
 

@@ -179,7 +179,7 @@ def test_the_compile_cache_keeps_xlas_autotuning_results_and_kernels():
 
 
 @pytest.mark.parametrize("case", ["no_shards", "bad_magic", "truncated", "short_val", "too_many_steps",
-                                  "records_dir", "vocab", "init_weights", "save_weights"])
+                                  "records_dir", "vocab", "init_weights", "save_weights", "val_among_train"])
 def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shards, tmp_path, capsys):
     """In this process through main(): these fail before anything compiles (the 3-device case below
     shows the same exit code 2 from a process of its own)."""
@@ -217,6 +217,10 @@ def test_bad_input_fails_before_writing_anything(case, tiny_args, synthetic_shar
         overrides, expect = {"--init-weights": str(tmp_path / "nothing.npz")}, "nothing.npz"
     elif case == "save_weights":
         overrides, expect = {"--save-weights": str(tmp_path)}, "is a folder"
+    elif case == "val_among_train":  # a pattern that also matches the val shard: training on validation data
+        folder = os.path.dirname(synthetic_shards["--train-files"])
+        overrides = {"--train-files": os.path.join(folder, "synthetic_*.bin")}
+        expect = "synthetic_val_000000.bin matches both --train-files"
     assert tg.main(tiny_args(records, **overrides)) == 2
     err = capsys.readouterr().err
     assert expect in err and err.startswith("error: ") and "Traceback" not in err, err[-2000:]
