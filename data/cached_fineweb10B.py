@@ -198,4 +198,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback
+        print("interrupted: the shards finished so far stay (a rerun skips them)", file=sys.stderr)
+        sys.exit(130)

@@ -146,8 +146,11 @@ def _encoding_definition(encoding) -> dict:
 
 
 def _init_worker(definition):
+    import signal
+
     import tiktoken
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     global _worker_encoding
     _worker_encoding = tiktoken.Encoding(**definition)
 
@@ -303,4 +306,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback
+        print("interrupted: the shards finished so far stay, under their final names", file=sys.stderr)
+        sys.exit(130)

@@ -118,4 +118,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback
+        print("interrupted: no val shard yet means no complete set: delete the folder's synthetic_* shards and run again", file=sys.stderr)
+        sys.exit(130)

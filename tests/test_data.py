@@ -3,6 +3,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -597,3 +598,28 @@ def test_the_tokenizer_refuses_other_file_types_and_nonsense_sizes(tmp_path, cap
     with pytest.raises(SystemExit) as e:
         synthetic.main(["--out", str(tmp_path / "s"), "--seed", "-1"])
     assert e.value.code == 2 and "--seed -1: must be 0 or more" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_tokenizing_is_a_line_not_tracebacks(tmp_path):
+    """The spawned workers leave Ctrl-C to the parent (three tracebacks before), which says what stays."""
+    text = random_text(np.random.default_rng(), 500)
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(20000):  # ~10M tokens: seconds of work left when the first shard appears
+            f.write(json.dumps({"text": f"{i} {text}"}) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "data/fineweb.py", str(tmp_path / "docs.jsonl"), "--out", str(out),
+                             "--shard-tokens", "20000", "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # Ctrl-C reaches the group
+    try:
+        deadline = time.time() + 60
+        while not (out.exists() and any(p.endswith(".bin") for p in os.listdir(out))) and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()  # still tokenizing when the first shard is there
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted: the shards finished so far stay" in err, err
+    for name in os.listdir(out):
+        assert name.endswith(".bin") and read_header(str(out / name)) == 20000
