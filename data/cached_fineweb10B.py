@@ -52,9 +52,11 @@ def transport_errors() -> tuple:
 def hub_answer(e: BaseException):
     """The hub's HTTP error behind an exception, if it answered (huggingface_hub wraps a failed lookup's
     HTTP error, a 403 or a 500, in LocalEntryNotFoundError), else None: no answer at all."""
-    while e is not None:
+    seen = set()
+    while e is not None and id(e) not in seen:
         if isinstance(e, HfHubHTTPError):
             return e
+        seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
 
@@ -188,7 +190,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a write failed: a full disk, the folder made read-only meanwhile
-        print(f"error: {write_failure(e, args.out)}", file=sys.stderr)
+        print(f"error: {write_failure(e, args.out, kept=True)}", file=sys.stderr)
         return 2
     for p in problems:
         print(f"error: {p}", file=sys.stderr)

@@ -8,21 +8,26 @@ Inputs: .txt files (one document per file, or documents split on lines equal to 
 "text" column; needs the optional package pyarrow), and folders (searched for those). Each document
 is preceded by <|endoftext|> (50256) and documents are packed back to back across shards. The first
 shard is the val shard NAME_val_000000.bin, the rest NAME_train_000001.bin, ... Shards appear under
-their final names only when complete (an interrupted run leaves complete shards only; an input
-that turns out unreadable, a record without text, removes the shards this run wrote, so that no set
-looks complete), and the tool refuses an --out that already holds NAME_* shards (exit 2). Relative
-paths are relative to the current folder. Tokenizing uses all cores (--workers, in spawned processes). GPT-2's BPE is read from
+their final names only when complete, and a run that does not finish (Ctrl-C, an input that turns
+out unreadable or a record without text, a full disk) removes the shards it wrote: a val shard and
+the first train shards would look like a complete set. The tool refuses an --out that already holds
+NAME_* shards (exit 2). Relative paths are relative to the current folder. Tokenizing uses all
+cores (--workers, in spawned processes). GPT-2's BPE is read from
 data/gpt2.tiktoken, shipped with the repository, so tokenizing needs no network.
 """
 import argparse
 import base64
+import collections
+import concurrent.futures
 import glob
 import hashlib
 import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -70,11 +75,14 @@ def pyarrow_parquet():
 
 
 def read_documents(path: str, separator: str | None = None):
-    """Yield the documents (str) of one input file; ValueError names a file or record that is not text."""
+    """Yield the documents (str) of one input file; ValueError names a file or record that is not text,
+    or a file that cannot be read."""
     try:
         yield from _documents(path, separator)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror or e})") from None
 
 
 def _documents(path: str, separator: str | None):
@@ -146,11 +154,8 @@ def _encoding_definition(encoding) -> dict:
 
 
 def _init_worker(definition):
-    import signal
-
     import tiktoken
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     global _worker_encoding
     _worker_encoding = tiktoken.Encoding(**definition)
 
@@ -198,29 +203,52 @@ def batched(iterable, n: int):
         yield chunk
 
 
+def encoded_in_workers(encoding, chunks, workers: int):
+    """Each chunk's tokens, in order, encoded in `workers` spawned processes (not forked: the caller may
+    have imported JAX, whose threads a forked child could deadlock on), at most two chunks a worker in
+    flight, fed from this thread: a multiprocessing.Pool's own feeder thread could block for ever on
+    Ctrl-C. The workers start with SIGINT ignored (kept through exec, and Python then leaves it so):
+    Ctrl-C stops this process's feeding, and an exception waits only for the chunks in flight."""
+    context = multiprocessing.get_context("spawn")
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:  # the first `workers` submits start the workers
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                      initargs=(_encoding_definition(encoding),))
+        pending = collections.deque(pool.submit(_encode_chunk, c) for c in itertools.islice(chunks, workers))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, handler)
+    with pool:
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_chunk, chunk))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def tokenize_to_shards(documents, out_dir: str, name: str = "fineweb", shard_tokens: int = 100_000_000,
                        encoding=None, workers: int = 1) -> list:
     """Tokenize an iterable of documents into shards (GPT-2's BPE unless an `encoding` is given). With
-    workers > 1 chunks of documents are encoded in a process pool; imap keeps their order. Raises
-    FileExistsError, writing nothing, when out_dir already holds NAME_* shards."""
+    workers > 1 chunks of documents are encoded in spawned processes, in order. Raises FileExistsError,
+    writing nothing, when out_dir already holds NAME_* shards; any other exception removes the shards
+    written so far (with the val shard first, they would look like a complete set)."""
     refuse_old_shards(out_dir, name, OLD_SHARDS_FIX)
-    # Loaded here, once: a pool initializer that fails (no BPE files) would be respawned forever.
+    # Loaded here, once: a worker initializer that fails (no BPE files) would break every worker.
     encoding = encoding or gpt2_encoding()
     chunks, written = batched(documents, CHUNK_DOCS), []
+    encoded = (encode_documents(encoding, c) for c in chunks) if workers <= 1 else \
+        encoded_in_workers(encoding, chunks, workers)
     try:
-        if workers <= 1:
-            return write_token_stream((encode_documents(encoding, c) for c in chunks), out_dir, name, shard_tokens,
-                                      written)
-        # spawn, not fork: the caller may have imported JAX, whose threads a forked child could deadlock on.
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                                         initargs=(_encoding_definition(encoding),))
-        with pool:
-            return write_token_stream(pool.imap(_encode_chunk, chunks, chunksize=4), out_dir, name, shard_tokens,
-                                      written)
-    except ValueError:  # an input that is not text: the shards so far would look like a complete set
+        return write_token_stream(encoded, out_dir, name, shard_tokens, written)
+    except BaseException:  # unfinished: the shards so far (val, train 1..k) would look like a complete set
         for path in written:
-            os.remove(path)
+            if os.path.exists(path):
+                os.remove(path)
         raise
+    finally:
+        encoded.close()  # the workers' pool shut down now, not when the traceback is gone
 
 
 class DownloadError(RuntimeError):
@@ -246,6 +274,9 @@ def download_fineweb_sample(k: int, out_dir: str) -> list:
                                 f"({type(e).__name__}). Connect to the internet (unset HF_HUB_OFFLINE; HF_ENDPOINT "
                                 f"for a mirror), or download the parquet files elsewhere and pass them as inputs."
                                 ) from None
+        except OSError as e:  # writing the raw file: a full disk, a folder that cannot be written
+            raise DownloadError(f"cannot write {name} into {os.path.abspath(raw_dir)} ({e.strerror or e}): make "
+                                f"room, or choose another --out") from None
     return paths
 
 
@@ -296,7 +327,7 @@ def main(argv=None) -> int:
         print(f"error: {e}; no shard kept: fix the input and run again", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, the folder made read-only meanwhile
-        print(f"error: {write_failure(e, args.out)}", file=sys.stderr)
+        print(f"error: {write_failure(e, args.out, kept=False)}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - t0
     total = sum(read_header(p) for p in paths)
@@ -309,5 +340,6 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback
-        print("interrupted: the shards finished so far stay, under their final names", file=sys.stderr)
+        print("interrupted: the shards this run wrote are removed (a set cut short would look complete)",
+              file=sys.stderr)
         sys.exit(130)

@@ -39,11 +39,14 @@ def output_folder(out_dir: str, flag: str = "--out") -> str:
     return path
 
 
-def write_failure(e: OSError, out_dir: str, flag: str = "--out") -> str:
-    """The message of a write that failed half-way (a full disk...): what, where, and that finished shards stay."""
+def write_failure(e: OSError, out_dir: str, kept: bool, flag: str = "--out") -> str:
+    """The message of a write that failed half-way (a full disk...): what, where, and what became of the
+    shards finished before it (kept: a rerun skips them; else the tool removed them)."""
     what = e.strerror or str(e)
-    return (f"cannot write {e.filename or 'a shard'} ({what}); shards finished before it stay in "
-            f"{os.path.abspath(out_dir)}: make room (or choose another {flag}) and run again")
+    before = (f"the shards finished before it stay in {os.path.abspath(out_dir)} (a rerun skips them)" if kept
+              else "the shards this run wrote are removed")
+    return (f"cannot write {e.filename or 'a shard'} ({what}); {before}: make room (or choose another {flag}) and "
+            f"run again")
 
 
 def write_shard(path, tokens) -> None:

@@ -73,10 +73,16 @@ def write_synthetic_shards(out_dir: str, seed: int = 0, train_tokens: int = 20_0
     text = dict(mean_doc_len=mean_doc_len, vocab=vocab)
     train = synthetic_tokens(train_tokens, seed, stream=1, **text)
     paths = [os.path.join(out_dir, "synthetic_val_000000.bin")]
-    for i, start in enumerate(range(0, train_tokens, shard_tokens)):
-        paths.append(os.path.join(out_dir, f"synthetic_train_{i + 1:06d}.bin"))
-        write_shard(paths[-1], train[start:start + shard_tokens])
-    write_shard(paths[0], synthetic_tokens(val_tokens, seed, stream=2, **text))  # last: its presence marks a complete set
+    try:
+        for i, start in enumerate(range(0, train_tokens, shard_tokens)):
+            paths.append(os.path.join(out_dir, f"synthetic_train_{i + 1:06d}.bin"))
+            write_shard(paths[-1], train[start:start + shard_tokens])
+        write_shard(paths[0], synthetic_tokens(val_tokens, seed, stream=2, **text))  # last: marks a complete set
+    except BaseException:  # unfinished (a full disk, Ctrl-C): its train shards would only block a rerun
+        for path in paths:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
     return paths
 
 
@@ -107,8 +113,7 @@ def main(argv=None):
     except (FileExistsError, OutputError) as e:
         parser.error(str(e))
     except OSError as e:  # a full disk, the folder made read-only meanwhile
-        print(f"error: {write_failure(e, args.out)} (the val shard, written last, marks a complete set)",
-              file=sys.stderr)
+        print(f"error: {write_failure(e, args.out, kept=False)}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - t0
     total = args.train_tokens + args.val_tokens
@@ -121,5 +126,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback
-        print("interrupted: no val shard yet means no complete set: delete the folder's synthetic_* shards and run again", file=sys.stderr)
+        print("interrupted: the shards this run wrote are removed", file=sys.stderr)
         sys.exit(130)

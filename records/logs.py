@@ -60,7 +60,7 @@ class RunLog:
     source: str  # the embedded training script, verbatim
     environment: list  # versions, devices, nvidia-smi output
     hyperparameters: dict
-    digest: str  # sha256 of the file: the same log under two names is one run
+    digest: str  # sha256 of its text (line ends as \n): the same log under two names, or copied, is one run
     preset: str | None = None  # ours only
     compile_s: float | None = None  # ours only: compilation happens before our clock starts
     val_curve: list = dataclasses.field(default_factory=list)  # (step, val_loss, train_time_ms)
@@ -259,6 +259,8 @@ def plot_path_problem(path: str) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         return f"--plot {path}: {folder} is no folder this user can write to"
+    if os.path.isdir(path):
+        return f"--plot {path} is a folder: give a file name, e.g. {os.path.join(path, 'plot.png')}"
     import matplotlib  # first: it may be missing while its submodules are imported already
 
     matplotlib.use("Agg")  # no display needed, as the plots themselves
@@ -302,7 +304,8 @@ def parse_log(path: str) -> RunLog:
     try:
         with open(path, "rb") as f:
             raw = f.read()
-        lines = raw.decode("utf-8").replace("\r\n", "\n").split("\n")  # a copy through Windows too
+        text = raw.decode("utf-8").replace("\r\n", "\n")  # a copy through Windows too: the same log
+        lines = text.split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise LogError(f"{os.path.abspath(path)}: cannot read it as a text log ({e})") from None
     # The embedded source may contain anything, even a rule: the header starts at the first rule
@@ -325,7 +328,7 @@ def parse_log(path: str) -> RunLog:
     environment = lines[env_start:env_end]
     while environment and not environment[-1].strip():  # nvidia-smi's own trailing newline
         environment.pop()
-    digest = hashlib.sha256(raw).hexdigest()
+    digest = hashlib.sha256(text.encode()).hexdigest()
     if layout == PYTORCH:
         # print(code) added a newline after the code's own final one: that blank line is not source
         source = "\n".join(lines[: starts[0]])

@@ -689,6 +689,7 @@ def test_a_log_copied_with_windows_line_ends_reads_the_same(tmp_path):
             crlf.write_bytes(f.read().replace(b"\n", b"\r\n"))
         a, b = parse_log(path), parse_log(str(crlf))
         assert b.status == "complete" and b.layout == a.layout and b.source == a.source, name
+        assert b.digest == a.digest, name  # a copy counts once
         assert repr((b.val_curve, b.train_steps, b.hyperparameters, b.environment)) == repr(  # (nan != nan)
             (a.val_curve, a.train_steps, a.hyperparameters, a.environment)), name
 
@@ -724,11 +725,14 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(tool, tmp
     for path, message in ((tmp_path / "missing" / "x.png", f"--plot {tmp_path / 'missing' / 'x.png'}: "
                            f"{tmp_path / 'missing'} is no folder this user can write to"),
                           (tmp_path / "x.xyz", "'xyz' is not a format matplotlib writes; name the file .png"),
-                          (tmp_path / "x", "a file name without an extension is not a format matplotlib writes")):
+                          (tmp_path / "x", "a file name without an extension is not a format matplotlib writes"),
+                          (tmp_path / "d.png", f"--plot {tmp_path / 'd.png'} is a folder: give a file name")):
+        if path.name == "d.png":
+            path.mkdir()
         with pytest.raises(SystemExit) as e:
             run(["--plot", str(path)])
         assert e.value.code == 2 and message in capsys.readouterr().err
-        assert not path.exists()
+        assert not path.exists() or path.is_dir()
     assert run(["--plot", str(tmp_path / "x.svg")]) == 0 and (tmp_path / "x.svg").read_bytes()[:5] in (b"<?xml", b"<svg ")
 
 
