@@ -625,3 +625,15 @@ def test_ctrl_c_while_tokenizing_is_a_line_not_tracebacks(tmp_path):
             proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert "interrupted: the shards this run wrote are removed" in err and os.listdir(out) == []
+
+
+def test_an_input_that_cannot_be_read_is_named_as_such_and_leaves_no_shard(tmp_path, capsys):
+    good = tmp_path / "a_good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
+    unreadable = tmp_path / "mem.txt"  # opens, then every read fails (EIO): as a disk error would
+    unreadable.symlink_to("/proc/self/mem")
+    out = tmp_path / "out"
+    assert fineweb.main([str(good), str(unreadable), "--out", str(out), "--shard-tokens", "100", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {unreadable} (Input/output error); no shard kept" in err and "cannot write" not in err
+    assert os.listdir(out) == []
