@@ -476,63 +476,61 @@ def test_the_paired_test_by_seed_matches_scipy(tmp_path, capsys):
     assert re.search(r"no paired test by seed: \S+t.txt \(the --against runs\) names no seed", capsys.readouterr().out)
 
 
+def time_test_lines(a: list, b: list, clock: str) -> str:
+    """What stats.py prints for Welch's test of the training times (seconds) a < b on `clock`, up to t."""
+    welch = scipy_stats.ttest_ind(a, b, equal_var=False, alternative="less")
+    return (f"training time on {clock}: runs mean {statistics.mean(a):.2f}s, --against runs mean "
+            f"{statistics.mean(b):.2f}s\nWelch's t-test, H1: mean training time of the runs < that of the --against "
+            f"runs: t = {welch.statistic:.3f}")
+
+
 def test_the_time_test_between_our_runs_on_the_same_devices(tmp_path, capsys):
     fast = group(tmp_path, "f", [3.27, 3.28, 3.29], step_ms=90.0, devices="8 x NVIDIA H100 80GB HBM3 (gpu)")
     slow = group(tmp_path, "s", [3.27, 3.28, 3.29], step_ms=100.0, devices="8 x NVIDIA H100 80GB HBM3 (gpu)")
     assert stats.main(fast + ["--against"] + slow) == 0
     out = capsys.readouterr().out
     a, b = [40 * (90 + i) / 1000 for i in range(3)], [40 * (100 + i) / 1000 for i in range(3)]
-    welch = scipy_stats.ttest_ind(a, b, equal_var=False, alternative="less")
-    assert (f"training time on the JAX clock (every step): runs mean {statistics.mean(a):.2f}s, --against runs mean "
-            f"{statistics.mean(b):.2f}s\nWelch's t-test, H1: mean training time of the runs < that of the --against "
-            f"runs: t = {welch.statistic:.3f}, df = 4.0, p = {welch.pvalue:.3g}\n"
+    p = scipy_stats.ttest_ind(a, b, equal_var=False, alternative="less").pvalue
+    assert (time_test_lines(a, b, "the JAX clock (every step)") + f", df = 4.0, p = {p:.3g}\n"
             f"the runs' mean training time is below the --against runs' at p<0.01") in out
+
+
+def on_8_h100s(path):
+    """A PyTorch log's nvidia-smi table made to list 8 GPUs (the writer's lists one)."""
+    one = "|   0  NVIDIA H100 80GB HBM3   On  |   7746MiB /  81559MiB  |\n"
+    assert one in NVIDIA_SMI
+    edit(path, NVIDIA_SMI, NVIDIA_SMI.replace(one, "".join(one.replace("|   0", f"|   {i}") for i in range(8))))
+    return path
 
 
 def test_the_time_test_puts_our_runs_on_the_pytorch_clock(tmp_path, capsys):
     ours = group(tmp_path, "o", [3.27, 3.28, 3.29], step_ms=100.0, devices="8 x NVIDIA H100 80GB HBM3 (gpu)")
-    one = "|   0  NVIDIA H100 80GB HBM3   On  |   7746MiB /  81559MiB  |\n"
-    assert one in NVIDIA_SMI
-    eight = NVIDIA_SMI.replace(one, "".join(one.replace("|   0", f"|   {i}") for i in range(8)))
-    theirs = []
-    for i, loss in enumerate([3.28, 3.281, 3.279]):
-        path = write_torch_log(tmp_path / f"t{i}.txt", [10.8, 5, 4, 3.5, loss], step_ms=110.0 + i)
-        edit(path, NVIDIA_SMI, eight)
-        theirs.append(path)
+    theirs = [on_8_h100s(write_torch_log(tmp_path / f"t{i}.txt", [10.8, 5, 4, 3.5, loss], step_ms=110.0 + i))
+              for i, loss in enumerate([3.28, 3.281, 3.279])]
     assert parse_log(theirs[0]).devices == (8, "NVIDIA H100 80GB HBM3")
     assert stats.main(ours + ["--against"] + theirs) == 0
     out = capsys.readouterr().out
     a = [30 * (100 + i) / 1000 for i in range(3)]  # 40 steps, the first 10 left out
     b = [30 * (110 + i) / 1000 for i in range(3)]
-    welch = scipy_stats.ttest_ind(a, b, equal_var=False, alternative="less")
-    assert (f"training time on the PyTorch clock (without the first 10 steps; JAX runs: time at the end minus at step "
-            f"10): runs mean {statistics.mean(a):.2f}s, --against runs mean {statistics.mean(b):.2f}s") in out
-    assert f"mean training time of the runs < that of the --against runs: t = {welch.statistic:.3f}" in out
+    assert time_test_lines(a, b, "the PyTorch clock (without the first 10 steps; JAX runs: time at the end minus at "
+                                 "step 10)") in out
 
 
 def test_the_time_test_against_pytorch_logs_that_time_every_step(tmp_path, capsys):
     """From record 22 on (record 89's logs) the PyTorch script compiles in a warm-up and its clock covers
     every step, as ours: the times compare as they are; with records 18-21's logs mixed in, they do not."""
     ours = group(tmp_path, "o", [3.27, 3.28, 3.29], step_ms=100.0, devices="8 x NVIDIA H100 80GB HBM3 (gpu)")
-    one = "|   0  NVIDIA H100 80GB HBM3   On  |   7746MiB /  81559MiB  |\n"
-    eight = NVIDIA_SMI.replace(one, "".join(one.replace("|   0", f"|   {i}") for i in range(8)))
-    theirs = []
-    for i, loss in enumerate([3.28, 3.281, 3.279]):
-        path = write_torch_log(tmp_path / f"t{i}.txt", [10.8, 5, 4, 3.5, loss], step_ms=110.0 + i, clock_restart=None)
-        edit(path, NVIDIA_SMI, eight)
-        theirs.append(path)
+    theirs = [on_8_h100s(write_torch_log(tmp_path / f"t{i}.txt", [10.8, 5, 4, 3.5, loss], step_ms=110.0 + i,
+                                         clock_restart=None)) for i, loss in enumerate([3.28, 3.281, 3.279])]
     assert parse_log(theirs[0]).untimed_steps == 0 and parse_log(theirs[0]).timed_steps == 40
     assert stats.main(ours + ["--against"] + theirs) == 0
     out = capsys.readouterr().out
     a, b = [40 * (100 + i) / 1000 for i in range(3)], [40 * (110 + i) / 1000 for i in range(3)]
-    welch = scipy_stats.ttest_ind(a, b, equal_var=False, alternative="less")
-    assert (f"training time on the clock of every step (the PyTorch logs' starts after their warm-up compiled): runs "
-            f"mean {statistics.mean(a):.2f}s, --against runs mean {statistics.mean(b):.2f}s\nWelch's t-test, H1: mean "
-            f"training time of the runs < that of the --against runs: t = {welch.statistic:.3f}") in out
+    assert time_test_lines(a, b, "the clock of every step (the PyTorch logs' starts after their warm-up compiled)") \
+        in out
     assert stats.main(theirs[:2] + ["--against", theirs[2]]) == 0  # PyTorch against PyTorch too
     assert "training time on the clock of every step" in capsys.readouterr().out
-    old = write_torch_log(tmp_path / "old.txt", [10.8, 5, 4, 3.5, 3.283])  # records 18-21: restarts after step 10
-    edit(old, NVIDIA_SMI, eight)
+    old = on_8_h100s(write_torch_log(tmp_path / "old.txt", [10.8, 5, 4, 3.5, 3.283]))  # restarts after step 10
     assert stats.main(ours + ["--against", theirs[0], old]) == 0
     assert ("times not comparable: the PyTorch logs' clocks leave out different numbers of first steps ([0, 10]: "
             "records 18-21 restart theirs after step 10, later ones compile before it starts); no time test") \
