@@ -111,7 +111,8 @@ def _documents(path: str, separator: str | None):
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if separator is None:
-            yield text
+            if text.strip():  # an empty file is no document (as blank ones between separators)
+                yield text
         else:
             docs, current = [], []
             for line in text.splitlines(keepends=True):
@@ -331,8 +332,12 @@ def main(argv=None) -> int:
         return 2
     seconds = time.perf_counter() - t0
     total = sum(read_header(p) for p in paths)
-    print(f"wrote {len(paths)} shards, {total:,} tokens, to {os.path.abspath(args.out)} in {seconds:.1f}s "
-          f"({total / seconds:,.0f} tokens/s)")
+    print(f"wrote {len(paths)} shard{'s' * (len(paths) != 1)}, {total:,} tokens, to {os.path.abspath(args.out)} in "
+          f"{seconds:.1f}s ({total / seconds:,.0f} tokens/s)")
+    if len(paths) < 2:
+        print(f"note: {'no shard' if not paths else 'only the val shard'}: the inputs hold {total:,} tokens, not "
+              f"more than --shard-tokens {args.shard_tokens:,}; train_gpt.py needs train shards too (lower "
+              f"--shard-tokens)")
     return 0
 
 

@@ -637,3 +637,15 @@ def test_an_input_that_cannot_be_read_is_named_as_such_and_leaves_no_shard(tmp_p
     err = capsys.readouterr().err
     assert f"cannot read {unreadable} (Input/output error); no shard kept" in err and "cannot write" not in err
     assert os.listdir(out) == []
+
+
+def test_empty_files_are_no_documents_and_a_val_only_result_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(fineweb, "gpt2_encoding", byte_encoding)  # tokens = bytes
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "doc.txt").write_text("one document")
+    assert fineweb.main([str(tmp_path / "empty.txt"), str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"),
+                         "--workers", "1"]) == 0
+    assert read_header(str(tmp_path / "out" / "fineweb_val_000000.bin")) == 1 + len("one document")  # EOT + bytes
+    out = capsys.readouterr().out
+    assert "wrote 1 shard, 13 tokens" in out
+    assert "note: only the val shard: the inputs hold 13 tokens, not more than --shard-tokens 100,000,000" in out
