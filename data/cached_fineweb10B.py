@@ -125,12 +125,12 @@ def count_error(n: int) -> str:
             f"give N from 0 to {TRAIN_SHARDS}")
 
 
-def is_valid(path: str) -> bool:
+def token_count(path: str):
+    """A valid shard's token count; None for a file that is no valid shard."""
     try:
-        read_header(path)
-        return True
+        return read_header(path)
     except ShardError:
-        return False
+        return None
 
 
 def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, log=print) -> list:
@@ -144,8 +144,8 @@ def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, lo
     problems, no_answer = [], transport_errors()
     for i, name in enumerate(names, 1):
         path = os.path.join(out_dir, name)
-        if os.path.exists(path) and is_valid(path):
-            tokens = read_header(path)
+        tokens = token_count(path) if os.path.exists(path) else None
+        if tokens is not None:
             odd = tokens != SHARD_TOKENS and name != f"fineweb_train_{TRAIN_SHARDS:06d}.bin"
             log(f"[{i}/{len(names)}] {name}: present, valid" + (
                 f"; note: {tokens:,} tokens where {REPO_ID}'s hold {SHARD_TOKENS:,}: a shard of your own under "
@@ -156,17 +156,14 @@ def download_shards(n: int, out_dir: str = DEFAULT_OUT, download=hf_download, lo
         log(f"[{i}/{len(names)}] {name}: downloading from {REPO_ID}")
         try:
             path = download(name, out_dir)
-        except HfHubHTTPError as e:  # the hub answered, with an error: no such file, no access, server trouble
-            problems.append(f"{name}: the hub {REPO_ID} answered: {first_line(e)}")
-            log(f"[{i}/{len(names)}] {name}: FAILED: {first_line(e)}")
+        except (HfHubHTTPError, *no_answer) as e:
+            answer = hub_answer(e)  # the hub answered, with an error: no such file, no access, server trouble
+            if answer is None:  # no answer, or the connection broke or stalled mid-file
+                missing = [m for m in names[i - 1:] if not os.path.exists(os.path.join(out_dir, m))]
+                raise HubUnreachable(unreachable_message(name, missing, out_dir, e)) from None
+            problems.append(f"{name}: the hub {REPO_ID} answered: {first_line(answer)}")
+            log(f"[{i}/{len(names)}] {name}: FAILED: {first_line(answer)}")
             continue
-        except no_answer as e:  # no answer, or the connection broke or stalled mid-file
-            if answer := hub_answer(e):
-                problems.append(f"{name}: the hub {REPO_ID} answered: {first_line(answer)}")
-                log(f"[{i}/{len(names)}] {name}: FAILED: {first_line(answer)}")
-                continue
-            missing = [m for m in names[i - 1:] if not os.path.exists(os.path.join(out_dir, m))]
-            raise HubUnreachable(unreachable_message(name, missing, out_dir, e)) from None
         try:
             read_header(path)
         except ShardError as e:

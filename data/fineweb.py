@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.cached_fineweb10B import hub_answer, transport_errors  # noqa: E402
+from data.cached_fineweb10B import first_line, hub_answer, transport_errors  # noqa: E402
 from data.shards import (OutputError, output_folder, read_header, refuse_old_shards, write_failure,  # noqa: E402
                          write_shard)
 
@@ -270,7 +270,7 @@ def download_fineweb_sample(k: int, out_dir: str) -> list:
         except (HfHubHTTPError, *transport_errors()) as e:
             if answer := hub_answer(e):
                 raise DownloadError(f"could not download {name}: the hub {FINEWEB_REPO} answered "
-                                    f"{type(answer).__name__}: {str(answer).strip().splitlines()[0]}") from None
+                                    f"{first_line(answer)}") from None
             raise DownloadError(f"could not download {name} from the Hugging Face dataset repo {FINEWEB_REPO} "
                                 f"({type(e).__name__}). Connect to the internet (unset HF_HUB_OFFLINE; HF_ENDPOINT "
                                 f"for a mirror), or download the parquet files elsewhere and pass them as inputs."

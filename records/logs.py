@@ -381,9 +381,10 @@ def _read_body(run: RunLog, lines: list) -> None:
             run.last_line = line
     if run.layout == PYTORCH and run.val_curve and run.val_curve[-1][0] == run.total_steps:
         final = run.val_curve[-1][1]  # the last step's validation is the record's result
-        run.status = "complete" if math.isfinite(final) else "stopped"
-        if not math.isfinite(final):
-            run.stop_reason = f"its final val_loss is {final}: it diverged"
+        if math.isfinite(final):
+            run.status = "complete"
+        else:
+            run.status, run.stop_reason = "stopped", f"its final val_loss is {final}: it diverged"
     if run.layout == OURS and run.status == "complete" and not run.summary:
         raise LogError(f"{run.path} says 'run complete' but has no summary line; was the log edited?")
 
