@@ -2139,7 +2139,8 @@ def pallas_head_grad(sig_TxV, lse_T, total_T, cols_TxP, ws_TxP, tuning=PALLAS_HE
 
 # One row per parameter (the reference's TrainingManager.param_table). Adam's lr is hp.adam_lr x lr_mul,
 # NorMuon's hp.muon_lr x lr_mul x sqrt(max(1, rows/cols)) of its matrices x matrix_lr_muls (cycled
-# over the bank's matrices); both x the schedule's lr multiplier. wd_mul scales hp.adam_wd / hp.muon_wd.
+# over the bank's matrices); both x the schedule's lr multiplier (step_values_at multiplies them out).
+# wd_mul scales hp.adam_wd / hp.muon_wd.
 # split_axis: with several devices, the axis along which they share the optimizer's state and update
 # (the reference's "sharded" comms: a bank's matrices, a table's rows, lm_head's columns as embed's
 # rows transposed; update_spec); without one, each device updates the whole parameter.
@@ -2248,13 +2249,12 @@ def cautious_update_mantissa(p_bf16, mantissa_u16, u, wd, lr):
     return jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), BF16), (bits & 0xFFFF).astype(jnp.uint16)
 
 
-def normuon_lrs(name: str, shape: tuple, hp) -> np.ndarray:
-    """Per-matrix lr of a bank at lr multiplier 1 (float64): base x lr_mul x shape factor x matrix factor."""
+def normuon_lr_muls(name: str, shape: tuple) -> list:
+    """Per-matrix lr multipliers of a bank (Python floats): shape factor x lr_mul x matrix factor."""
     row, (rows, cols) = PARAM_TABLE[name], shape[-2:]
-    n = math.prod(shape[:-2])
     cycle = row.get("matrix_lr_muls", (1.0,))
-    shape_mul = max(1.0, rows / cols) ** 0.5
-    return np.array([hp.muon_lr * row["lr_mul"] * shape_mul * cycle[i % len(cycle)] for i in range(n)])
+    lr_mul = max(1.0, rows / cols) ** 0.5 * row["lr_mul"]
+    return [lr_mul * cycle[i % len(cycle)] for i in range(math.prod(shape[:-2]))]
 
 
 def normuon_update(p, g, s: dict, lr_N, wd, momentum, beta2: float, shard=lambda x: x):
@@ -2267,19 +2267,17 @@ def normuon_update(p, g, s: dict, lr_N, wd, momentum, beta2: float, shard=lambda
     return shard(p).reshape(shape), dict(momentum_buffer=buf, second_momentum_buffer=second, mantissa=mantissa)
 
 
-def adam_update(p, g, s: dict, row: dict, lr, hp):
-    """One Adam step of a parameter with cautious weight decay (lr^2 wd wd_mul on p where the update
-    agrees with p in sign), fp32 math, p rounded to its own dtype (bf16 has no master copy)."""
+def adam_update(p, g, s: dict, row: dict, step_size, wd, hp):
+    """One Adam step of a parameter with cautious weight decay (wd on p where the update agrees with p
+    in sign), fp32 math, p rounded to its own dtype (bf16 has no master copy). step_size: lr with the
+    bias corrections, wd: lr^2 x weight decay (fp32 scalars from step_values_at)."""
     b1, b2 = row["betas"]
-    t = s["step"] + 1
     g, p32 = g.astype(F32), p.astype(F32)
     m = s["exp_avg"] * np.float32(b1) + g * np.float32(1 - b1)
     v = s["exp_avg_sq"] * np.float32(b2) + np.float32(1 - b2) * g * g
-    lr = np.float32(hp.adam_lr * row["lr_mul"]) * lr
-    bias1, bias2 = (-jnp.expm1(t * np.float32(math.log(b))) for b in (b1, b2))  # 1 - b^t without cancellation
-    u = m / (jnp.sqrt(v) + np.float32(hp.adam_eps)) * (lr * (jnp.sqrt(bias2) / bias1))
-    u = u + lr * lr * np.float32(hp.adam_wd * row["wd_mul"]) * p32 * (u * p32 > 0).astype(F32)
-    return (p32 - u).astype(p.dtype), dict(exp_avg=m, exp_avg_sq=v, step=t)
+    u = m / (jnp.sqrt(v) + np.float32(hp.adam_eps)) * step_size
+    u = u + p32 * (u * p32 > 0).astype(F32) * wd
+    return (p32 - u).astype(p.dtype), dict(exp_avg=m, exp_avg_sq=v)
 
 
 def accumulate(kept, g):
@@ -2294,7 +2292,7 @@ def adam_step(params: dict, kept: dict, state: dict, sv: dict, hp, shard=lambda 
     already), with the embedding tied to lm_head while sv['tied']: lm_head's gradient gets embed's
     (transposed; added before the exchange, and embed's not exchanged, as the reference skips it),
     embed becomes lm_head^T and keeps its state; at sv['split'] embed's state becomes lm_head's
-    (moments transposed, step count)."""
+    (moments transposed)."""
     tie = LM_HEAD in params and EMBED in params
     kept = dict(kept)
     if tie:
@@ -2303,14 +2301,15 @@ def adam_step(params: dict, kept: dict, state: dict, sv: dict, hp, shard=lambda 
     if tie:
         grads[EMBED] = jax.lax.cond(sv["tied"], lambda g: jnp.zeros(params[EMBED].shape, g.dtype),
                                     partial(exchange, axis=PARAM_TABLE[EMBED]["split_axis"]), kept[EMBED])
-    out = {n: adam_update(p, grads[n], state[n], PARAM_TABLE[n], sv["lr"], hp) for n, p in params.items()}
+    out = {n: adam_update(p, grads[n], state[n], PARAM_TABLE[n], sv["adam_step_size"][n], sv["adam_wd"][n], hp)
+           for n, p in params.items()}
     new_params = {n: shard(o[0], PARAM_TABLE[n].get("split_axis")) for n, o in out.items() if not (tie and n == EMBED)}
     new_state = {n: o[1] for n, o in out.items()}
     if tie:  # while tied, embed is the gathered new lm_head transposed: not gathered itself
         new_params[EMBED] = jax.lax.cond(sv["tied"], lambda: new_params[LM_HEAD].T,
                                          lambda: shard(out[EMBED][0], PARAM_TABLE[EMBED]["split_axis"]))
         lm = new_state[LM_HEAD]
-        new_state[EMBED] = {k: jnp.where(sv["split"], lm[k].T if lm[k].ndim == 2 else lm[k],
+        new_state[EMBED] = {k: jnp.where(sv["split"], lm[k].T,
                                          jnp.where(sv["tied"], state[EMBED][k], new))
                             for k, new in new_state[EMBED].items()}
     return new_params, new_state, jax.tree.map(jnp.zeros_like, kept)
@@ -2318,7 +2317,7 @@ def adam_step(params: dict, kept: dict, state: dict, sv: dict, hp, shard=lambda 
 
 def init_optimizer_state(params: dict, hp, devices: int = 0) -> dict:
     """Fresh state for the parameters of `params` (other entries, e.g. buffers, are ignored): NorMuon
-    buffers per bank in its (matrices, rows, cols) view, Adam moments and step count, and the Adam
+    buffers per bank in its (matrices, rows, cols) view, Adam moments, and the Adam
     gradients kept over even steps: with `devices`, each device's own sums, unexchanged (devices, *shape),
     as the train step keeps them; without, one array holding their mean (optimizer_step's default)."""
     normuon, adam, kept = {}, {}, {}
@@ -2331,16 +2330,33 @@ def init_optimizer_state(params: dict, hp, devices: int = 0) -> dict:
                                  second_momentum_buffer=jnp.zeros(second_moment_shape(shape), F32),
                                  mantissa=jnp.zeros(shape, jnp.uint16))
         else:
-            adam[name] = dict(exp_avg=jnp.zeros(p.shape, F32), exp_avg_sq=jnp.zeros(p.shape, F32),
-                              step=jnp.zeros((), jnp.int32))
+            adam[name] = dict(exp_avg=jnp.zeros(p.shape, F32), exp_avg_sq=jnp.zeros(p.shape, F32))
             kept[name] = jnp.zeros((devices, *p.shape) if devices else p.shape, p.dtype)
     return dict(normuon=normuon, adam=adam, kept_grads=kept)
 
 
-def step_values_at(step: int, hp) -> dict:
-    """The schedule at a step, as the arrays optimizer_step takes (so one compiled program serves all)."""
-    split = split_step(hp)
-    return dict(lr=np.float32(lr_mul(step, hp)), momentum=np.float32(muon_momentum(step, hp)),
+def step_values_at(step: int, hp, first_step: int = 0, shapes: dict | None = None) -> dict:
+    """The schedule at a step, as the arrays optimizer_step takes (so one compiled program serves all).
+    Each lr and decay factor is a Python float product in the reference's order, rounded to fp32
+    once, as the reference fills its fp32 scalars. first_step: where the optimizer state began fresh
+    (Adam's bias corrections count the odd steps from there; at an even step, the next odd one's).
+    shapes: {name: shape} of the parameters (hp's by default; a bank's shape sets its matrices' lrs)."""
+    split, lr = split_step(hp), lr_mul(step, hp)
+    t = step // 2 + 1 - first_step // 2
+    muon_lr = hp.muon_lr * lr
+    shapes = {n: shape for n, (shape, _) in param_shapes(hp).items()} if shapes is None else shapes
+    normuon_lr, normuon_wd, adam_step_size, adam_wd = {}, {}, {}, {}
+    for name, shape in shapes.items():
+        row = PARAM_TABLE[name]
+        if row["optim"] == "normuon":
+            normuon_lr[name] = np.array([m * muon_lr for m in normuon_lr_muls(name, shape)], np.float32)
+            normuon_wd[name] = np.float32(row["wd_mul"] * hp.muon_wd * muon_lr)
+        else:
+            (b1, b2), adam_lr = row["betas"], hp.adam_lr * lr * row["lr_mul"]
+            adam_step_size[name] = np.float32(adam_lr * ((1 - b2 ** t) ** 0.5 / (1 - b1 ** t)))
+            adam_wd[name] = np.float32(adam_lr * adam_lr * hp.adam_wd * row["wd_mul"])
+    return dict(momentum=np.float32(muon_momentum(step, hp)), normuon_lr=normuon_lr, normuon_wd=normuon_wd,
+                adam_step_size=adam_step_size, adam_wd=adam_wd,
                 do_adam=np.bool_(step % 2 == 1), tied=np.bool_(step <= split), split=np.bool_(step == split))
 
 
@@ -2357,9 +2373,8 @@ def optimizer_step(params: dict, grads: dict, state: dict, hp, step_values: dict
     new_params, new_state = dict(params), dict(state, normuon={})
     for name, s in state["normuon"].items():
         row = PARAM_TABLE[name]
-        lr_N = jnp.asarray(normuon_lrs(name, params[name].shape, hp), F32) * sv["lr"]
-        wd = np.float32(hp.muon_wd * row["wd_mul"] * hp.muon_lr) * sv["lr"]
-        new_params[name], new_state["normuon"][name] = normuon_update(params[name], grads[name], s, lr_N, wd,
+        new_params[name], new_state["normuon"][name] = normuon_update(params[name], grads[name], s,
+                                                                      sv["normuon_lr"][name], sv["normuon_wd"][name],
                                                                       sv["momentum"], hp.muon_beta2,
                                                                       partial(shard, axis=row.get("split_axis")))
     kept = {n: accumulate(state["kept_grads"][n], grads[n]) for n in state["adam"]}
@@ -2383,7 +2398,7 @@ def apply_update(params: dict, grads: dict, hp, step: int) -> dict:
     dtypes = {n: dtype for n, (_, dtype) in param_shapes(hp).items() if n in params}
     p = {n: jnp.asarray(params[n], dtype) for n, dtype in dtypes.items()}
     g = {n: jnp.asarray(grads[n], dtype) for n, dtype in dtypes.items()}
-    return dict(params) | _first_step_params(p, g, hp, step_values_at(step, hp))
+    return dict(params) | _first_step_params(p, g, hp, step_values_at(step, hp, first_step=step))
 
 
 # -----------------------------------------------------------------------------
@@ -2787,9 +2802,10 @@ def make_train_step(hp: Hyperparameters, mesh):
                    out_shardings=(replicated, state, fp8_shardings, replicated), compiler_options=COMPILER_OPTIONS)
 
 
-def step_inputs(step: int, hp: Hyperparameters) -> tuple:
-    """The host-side runtime values of a training step: forward schedule, optimizer schedule, bootstrap."""
-    return schedule_values(step, hp), step_values_at(step, hp), np.bool_(step <= hp.fp8_bootstrap_steps)
+def step_inputs(step: int, hp: Hyperparameters, first_step: int = 0) -> tuple:
+    """The host-side runtime values of a training step: forward schedule, optimizer schedule, bootstrap
+    (first_step: where the optimizer state began fresh)."""
+    return schedule_values(step, hp), step_values_at(step, hp, first_step), np.bool_(step <= hp.fp8_bootstrap_steps)
 
 
 def train_steps(weights: dict, token_arrays: list, hp: Hyperparameters, step: int) -> dict:
@@ -2807,7 +2823,7 @@ def train_steps(weights: dict, token_arrays: list, hp: Hyperparameters, step: in
     for s, tokens in enumerate(token_arrays, start=step):
         inputs, targets, _ = padded_sequence(tokens, hp.bos_id)
         inputs, targets = inputs[None], targets[None]
-        a, sv, bootstrap = step_inputs(s, hp)
+        a, sv, bootstrap = step_inputs(s, hp, first_step=step)
         params, opt_state, fp8, loss = train_step(params, buffers, opt_state, fp8, inputs, targets, a, sv, bootstrap,
                                                   prefix_V)
         losses.append(float(loss) * inputs.shape[1])  # the mean over the T positions: the array's sum

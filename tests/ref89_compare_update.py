@@ -76,10 +76,10 @@ def cosine(a, b):
     return float(a.ravel() @ b.ravel() / (na * nb)) if na and nb else float(na == nb)
 
 
-def exact_normuon(name, w, g, sv, hp):
-    """The bank after one NorMuon step from fresh state in float64 (no rounding anywhere), stored as the
-    port stores it (the fp32 value truncated to bf16): the yardstick for both implementations."""
-    m, lr = float(sv["momentum"]), float(sv["lr"])
+def exact_normuon(w, g, m, lr_N, wd, hp):
+    """The bank after one NorMuon step from fresh state in float64 (no rounding anywhere but the fp32
+    lrs both sides use: lr_N per matrix, wd), stored as the port stores it (the fp32 value truncated to
+    bf16): the yardstick for both implementations."""
     X = (1 - m * m) * g  # lerp(g, buf, m) with buf = lerp(0, g, 1 - m)
     X = X / (np.linalg.norm(X, axis=(-2, -1), keepdims=True) * 1.02 + 1e-6)
     tall = X.shape[-2] > X.shape[-1]
@@ -91,8 +91,7 @@ def exact_normuon(name, w, g, sv, hp):
     v_mean = np.mean(X * X, axis=axis, keepdims=True)
     scaled = X / np.sqrt((1 - hp.muon_beta2) * v_mean)  # the first second-moment lerp from zero
     v = scaled * np.linalg.norm(X, axis=(-2, -1), keepdims=True) / np.linalg.norm(scaled, axis=(-2, -1), keepdims=True)
-    lr_N = tg.normuon_lrs(name, w.shape, hp)[:, None, None] * lr
-    wd = hp.muon_wd * tg.PARAM_TABLE[name]["wd_mul"] * hp.muon_lr * lr
+    lr_N = np.float64(lr_N)[:, None, None]
     new = (w - w * (v * w >= 0) * wd * lr_N - v * lr_N).astype(np.float32)
     return (new.view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
 
@@ -106,7 +105,8 @@ def compare_bank(name, w, ours, ref, g, sv, hp, jittered=None):
     w, ours, ref, g = (x.reshape(shape).astype(np.float64) for x in (w, ours, ref, g))
     real = [i for i in range(len(w)) if np.any(g[i])]
     pad = [i for i in range(len(w)) if i not in real]
-    exact = exact_normuon(name, w[real], g[real], sv, hp)
+    exact = exact_normuon(w[real], g[real], float(sv["momentum"]), sv["normuon_lr"][name][real],
+                          float(sv["normuon_wd"][name]), hp)
     d_ours, d_ref, d_exact = ours[real] - w[real], ref[real] - w[real], exact - w[real]
     cos = np.array([cosine(x, y) for x, y in zip(d_ours, d_ref)])
     ratio = np.linalg.norm(d_ours, axis=(1, 2)) / np.linalg.norm(d_ref, axis=(1, 2))
@@ -178,8 +178,8 @@ def compare(a, step, G_path, S_path, J_path=None):
     jax.block_until_ready(out)
     del params, grads
     print(f"  apply_update (compile + run, CPU): {time.time() - t:.0f} s")
-    sv = tg.step_values_at(step, hp)
-    print(f"step {step}: lr x{float(sv['lr']):.6f} momentum {float(sv['momentum']):.6f} adam {bool(sv['do_adam'])} "
+    sv = tg.step_values_at(step, hp, first_step=step)
+    print(f"step {step}: lr x{tg.lr_mul(step, hp):.6f} momentum {float(sv['momentum']):.6f} adam {bool(sv['do_adam'])} "
           f"tied {bool(sv['tied'])} split {bool(sv['split'])}")
     same_loss = float(S["__losses__"][0]) == float(G["__loss__"])
     print(f"  ref89 step's loss {float(S['__losses__'][0]):.6f}, grads' loss {float(G['__loss__']):.6f}: "
