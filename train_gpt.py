@@ -2341,6 +2341,8 @@ def step_values_at(step: int, hp, first_step: int = 0, shapes: dict | None = Non
     once, as the reference fills its fp32 scalars. first_step: where the optimizer state began fresh
     (Adam's bias corrections count the odd steps from there; at an even step, the next odd one's).
     shapes: {name: shape} of the parameters (hp's by default; a bank's shape sets its matrices' lrs)."""
+    if not 0 <= first_step <= step:
+        raise ValueError(f"first_step {first_step} after step {step}: the optimizer state begins at or before the step")
     split, lr = split_step(hp), lr_mul(step, hp)
     t = step // 2 + 1 - first_step // 2
     muon_lr = hp.muon_lr * lr

@@ -288,6 +288,8 @@ def test_step_values_round_each_lr_once():
                 size = a * (1 - D(b2) ** t).sqrt() / (1 - D(b1) ** t)
                 assert sv["adam_step_size"][name] == np.float32(size), (step, name, t)
                 assert sv["adam_wd"][name] == np.float32(a * a * D(HP.adam_wd) * D(row["wd_mul"])), (step, name)
+    with pytest.raises(ValueError, match="first_step 2 after step 0"):
+        tg.step_values_at(0, HP, first_step=2)
 
 
 def test_normuon_banks():
