@@ -78,11 +78,12 @@ def test_one_device_and_two_processes_of_four_devices_train_the_same(request, ti
     hand-over that never comes). The attempt is asked for only once the pair has finished: if the
     other worker is still making it, this one trains meanwhile instead of waiting for it."""
     port = free_port()
-    procs = [launch(tiny_args, tmp_path / "two", 4, i, 2, port, share_compile=True,
+    procs = [launch(tiny_args, tmp_path / ("two" if i == 0 else "two_process_1"), 4, i, 2, port, share_compile=True,
                     **{"--compile-cache-dir": tmp_path / "cache"}) for i in range(2)]
     outs = [finish(p) for p in procs]
     tiny_attempt = request.getfixturevalue("tiny_attempt")
     (two_log,) = (tmp_path / "two").iterdir()  # only process 0 writes a log
+    assert not (tmp_path / "two_process_1").exists()  # nor makes a folder for one elsewhere
     assert "val_loss" in outs[0] and "step:" not in outs[1]  # and only process 0 prints (gloo chats anyway)
     one, two = (parse_log(p) for p in (tiny_attempt.logs[0], str(two_log)))
     assert "in 2 process(es)" in "\n".join(two.environment) and "8 x" in "\n".join(two.environment)
