@@ -3353,7 +3353,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
     try:
         previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         console("checking shards and flags ...")
-        inputs = check_inputs(hp, mesh, init_path, save_path)
+        inputs = checked_everywhere(lambda: check_inputs(hp, mesh, init_path, save_path))
         by_chunk, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
         state = initial_state(hp, mesh, init_path)
         prefix_V = jax.device_put(prefix_table(hp.padded_vocab), replicated)
@@ -3484,6 +3484,26 @@ def start_distributed(settings) -> None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes (tests); GPUs use NCCL
     jax.distributed.initialize(**settings)
+
+
+def checked_everywhere(check):
+    """check()'s result once every process's input checks have passed: a process whose checks fail
+    raises its own error, and the others one that names it, at once (alone, they would compile and
+    then wait at the first step's collectives until the heartbeat timed out)."""
+    try:
+        result, error = check(), None
+    except (ConfigError, DataError) as e:
+        result, error = None, e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = np.flatnonzero(multihost_utils.process_allgather(np.int32(error is not None)))
+        if error is None and failed.size:
+            raise ConfigError(f"process {', '.join(map(str, failed))} stopped at its input checks (its own output "
+                              f"says why), so every process stops")
+    if error is not None:
+        raise error
+    return result
 
 
 def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:

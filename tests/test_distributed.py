@@ -207,6 +207,25 @@ def test_the_exchange_averages_over_the_chunks_and_splits_as_the_update():
     assert result.returncode == 0 and "exchanged" in result.stdout, result.stderr[-3000:]
 
 
+def test_a_process_whose_input_checks_fail_stops_the_others_before_they_compile(tiny_args, tmp_path):
+    """Process 1 is given --init-weights that do not exist: it says so, and process 0, whose own checks
+    passed, says which process stopped, both at once (exit 2), not after compiling and waiting at the
+    first step for the heartbeat (--heartbeat-timeout 60: a hang would show as the test's timeout)."""
+    port = free_port()
+    missing = {"--init-weights": tmp_path / "no_such_weights.npz"}
+    procs = [launch(tiny_args, tmp_path / "r", 4, i, 2, port, **{"--heartbeat-timeout": 60, **(missing if i else {})})
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=50) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], [err[-2000:] for _, err in outs]
+    assert "error: process 1 stopped at its input checks" in outs[0][1]
+    assert f"error: --init-weights {str(missing['--init-weights'])!r} is not a file" in outs[1][1]
+    assert "checking shards" in outs[0][0] and "compiling" not in outs[0][0]
+
+
 @pytest.mark.heavy(2)
 def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_path):
     """Process 1 is killed once both have joined the run (process 0 says it is checking shards: past
