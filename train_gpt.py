@@ -3153,10 +3153,10 @@ def check_outputs(records_dir: str | None, save_path: str = None, cache_dir: str
             raise ConfigError(f"cannot write to {flag} folder {path!r} ({problem}): choose a writable folder")
 
 
-def initial_state(hp: Hyperparameters, mesh, init_path: str = None):
-    """(params, buffers, optimizer state, FP8 state) on the mesh: from init_path's weights, or seeded."""
+def initial_state(hp: Hyperparameters, mesh, weights: dict = None):
+    """(params, buffers, optimizer state, FP8 state) on the mesh: from weights (load_weights'), or seeded."""
     replicated, by_chunk = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-    weights = load_weights(init_path, hp) if init_path else init_params(hp, hp.seed)
+    weights = init_params(hp, hp.seed) if weights is None else weights
     params = jax.device_put(trainable(weights, hp), replicated)
     buffers = jax.device_put({"bigram_sign_table": weights["bigram_sign_table"]}, replicated)
     fp8 = fp8_state(weights)
@@ -3353,9 +3353,11 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
     try:
         previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
         console("checking shards and flags ...")
-        inputs = checked_everywhere(lambda: check_inputs(hp, mesh, init_path, save_path))
+        inputs, weights = checked_everywhere(lambda: (check_inputs(hp, mesh, init_path, save_path),
+                                                      load_weights(init_path, hp) if init_path else None))
         by_chunk, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
-        state = initial_state(hp, mesh, init_path)
+        state = initial_state(hp, mesh, weights)
+        del weights  # the host copy (2.6 GB for the record): the devices hold theirs
         prefix_V = jax.device_put(prefix_table(hp.padded_vocab), replicated)
         console(f"compiling the train and validation steps (persistent cache: {hp.compile_cache_dir or 'off'}) ...")
         t0 = time.perf_counter()
@@ -3487,20 +3489,21 @@ def start_distributed(settings) -> None:
 
 
 def checked_everywhere(check):
-    """check()'s result once every process's input checks have passed: a process whose checks fail
-    raises its own error, and the others one that names it, at once (alone, they would compile and
-    then wait at the first step's collectives until the heartbeat timed out)."""
+    """check()'s result once every process's input checks have passed: a process whose checks end
+    otherwise (bad input, a signal, a bug) raises its own exception, and the others an error that names
+    it, at once. (Alone, the others would wait at the first collective, placing the weights on the
+    devices, while the stopped process waited in JAX's shutdown: up to 5 minutes.)"""
     try:
         result, error = check(), None
-    except (ConfigError, DataError) as e:
+    except BaseException as e:  # re-raised below, once every process knows
         result, error = None, e
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         failed = np.flatnonzero(multihost_utils.process_allgather(np.int32(error is not None)))
         if error is None and failed.size:
-            raise ConfigError(f"process {', '.join(map(str, failed))} stopped at its input checks (its own output "
-                              f"says why), so every process stops")
+            raise ConfigError(f"process {', '.join(map(str, failed))} stopped during its input checks (its own "
+                              f"output says why), so every process stops")
     if error is not None:
         raise error
     return result
