@@ -3114,20 +3114,22 @@ def check_inputs(hp: Hyperparameters, mesh, init_path: str = None, save_path: st
     val_batches = [(c.inputs[rows], c.targets[rows]) for c in val_chunks(hp, val_files)]
     if init_path and not os.path.isfile(init_path):
         raise DataError(f"--init-weights {os.path.abspath(init_path)!r} is not a file")
-    writer = jax.process_index() == 0  # the process that writes the log and the weights; every one its cache
-    check_outputs(hp.records_dir if writer else None, save_path if writer else None, hp.compile_cache_dir,
-                  create=True)  # last: the only check that creates
+    # last: the only check that creates; process 0 writes the log and the weights, every process its cache
+    check_outputs(hp.records_dir, save_path, hp.compile_cache_dir, create=True, writer=jax.process_index() == 0)
     return Inputs(train_files, val_batches, rows)
 
 
-def check_outputs(records_dir: str | None, save_path: str = None, cache_dir: str = "", create: bool = False) -> None:
+def check_outputs(records_dir: str, save_path: str = None, cache_dir: str = "", create: bool = False,
+                  writer: bool = True) -> None:
     """Raises ConfigError unless the log's folder (and --save-weights' file's, and the compile cache's)
     can be written: made now (create, a run) or only looked at (--check: the nearest existing folder
     must let it be made). (JAX would only warn at each program it cannot cache, and compile them all.)
-    records_dir None: a process that writes no log (all but process 0)."""
-    if save_path and (os.path.isdir(save_path) or save_path.endswith(os.sep)):
+    writer False: a process that writes neither log nor weights (all but process 0): its cache alone."""
+    if not writer:
+        records_dir = save_path = None
+    elif save_path and (os.path.isdir(save_path) or save_path.endswith(os.sep)):
         raise ConfigError(f"--save-weights {os.path.abspath(save_path)!r} is a folder: give a file name (.npz)")
-    if records_dir == "":
+    elif not records_dir:
         raise ConfigError("--records-dir is empty: give the folder for the run's log, e.g. records")
     for path, flag in [(records_dir, "--records-dir"),
                        (os.path.dirname(os.path.abspath(save_path)) if save_path else None, "--save-weights"),
