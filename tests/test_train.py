@@ -251,6 +251,18 @@ def test_token_ids_are_checked_in_the_shards_the_run_reads(tiny_hp, tmp_path):
             assert tg.check_inputs(hp, mesh).train_files[-1].endswith("train_000002.bin")
 
 
+def test_a_run_checks_its_output_folders_too(tiny_hp, tmp_path):
+    """A run's own checks (check_inputs: run.sh's --check may be skipped) refuse an empty --records-dir
+    and a --save-weights that is a folder, and make the folders they will write."""
+    mesh = tg.make_mesh(jax.devices()[:1])
+    with pytest.raises(tg.ConfigError, match="--records-dir is empty"):
+        tg.check_inputs(dataclasses.replace(tiny_hp, records_dir=""), mesh)
+    with pytest.raises(tg.ConfigError, match="is a folder: give a file name"):
+        tg.check_inputs(tiny_hp, mesh, save_path=str(tmp_path))
+    tg.check_inputs(tiny_hp, mesh, save_path=str(tmp_path / "w" / "w.npz"))
+    assert (tmp_path / "records").is_dir() and (tmp_path / "w").is_dir()
+
+
 def test_check_refuses_output_folders_that_cannot_be_written_and_makes_none(tiny_args, tmp_path, capsys,
                                                                            monkeypatch):
     """--check (run.sh's before any data work) looks at --records-dir, --save-weights' folder and
