@@ -1,8 +1,9 @@
 """§3 The optimizer (train_gpt.py): the parameter table
 against the reference's, Polar Express and NorMuon's variance reduction against float64 numpy, the
-mantissa-tracked update bit for bit against numpy uint32, Adam against float64 numpy, Adam's odd/even
-steps, each step's lrs rounded once, the tied embedding and its split, and the whole step on small banks (the functions take any
-bank shape; the comparison at the real shapes against ref89 is tests/ref89_compare_update.py)."""
+mantissa-tracked update bit for bit against numpy uint32, Adam against float64 numpy, each step's lrs
+rounded once, Adam's odd/even steps, the tied embedding and its split, and the whole step on small
+banks (the functions take any bank shape; the comparison at the real shapes against ref89 is
+tests/ref89_compare_update.py)."""
 import math
 from decimal import Decimal, getcontext
 from functools import partial
