@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.cached_fineweb10B import first_line, hub_answer, transport_errors  # noqa: E402
-from data.shards import (OutputError, output_folder, read_header, refuse_old_shards, write_failure,  # noqa: E402
-                         write_shard)
+from data.shards import (OutputError, output_folder, read_header, refuse_old_shards,  # noqa: E402
+                         removed_if_unfinished, write_failure, write_shard)
 
 INPUT_TYPES = ("txt", "jsonl", "parquet")
 MAX_SHARD_TOKENS = 2**31 - 1  # the header's int32 count
@@ -238,16 +238,12 @@ def tokenize_to_shards(documents, out_dir: str, name: str = "fineweb", shard_tok
     refuse_old_shards(out_dir, name, OLD_SHARDS_FIX)
     # Loaded here, once: a worker initializer that fails (no BPE files) would break every worker.
     encoding = encoding or gpt2_encoding()
-    chunks, written = batched(documents, CHUNK_DOCS), []
+    chunks = batched(documents, CHUNK_DOCS)
     encoded = (encode_documents(encoding, c) for c in chunks) if workers <= 1 else \
         encoded_in_workers(encoding, chunks, workers)
     try:
-        return write_token_stream(encoded, out_dir, name, shard_tokens, written)
-    except BaseException:  # unfinished: the shards so far (val, train 1..k) would look like a complete set
-        for path in written:
-            if os.path.exists(path):
-                os.remove(path)
-        raise
+        with removed_if_unfinished([]) as written:
+            return write_token_stream(encoded, out_dir, name, shard_tokens, written)
     finally:
         encoded.close()  # the workers' pool shut down now, not when the traceback is gone
 

@@ -4,6 +4,7 @@ which stands alone, carries its own reader of the same format; a test keeps the 
 A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count N, zeros),
 then N little-endian uint16 GPT-2 token ids: 1024 + 2·N bytes in all.
 """
+import contextlib
 import glob
 import os
 
@@ -47,6 +48,20 @@ def write_failure(e: OSError, out_dir: str, kept: bool, flag: str = "--out") -> 
               else "the shards this run wrote are removed")
     return (f"cannot write {e.filename or 'a shard'} ({what}); {before}: make room (or choose another {flag}) and "
             f"run again")
+
+
+@contextlib.contextmanager
+def removed_if_unfinished(paths: list):
+    """with removed_if_unfinished(paths): write shards, appending each path to `paths`. If the block ends
+    with an exception (Ctrl-C, a full disk, a bad input), the shards written so far are removed: a val
+    shard and the first train shards would look like a complete set, and would block a rerun."""
+    try:
+        yield paths
+    except BaseException:
+        for path in paths:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
 
 
 def write_shard(path, tokens) -> None:

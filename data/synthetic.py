@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import EOT, OutputError, output_folder, refuse_old_shards, write_failure, write_shard  # noqa: E402
+from data.shards import (EOT, OutputError, output_folder, refuse_old_shards, removed_if_unfinished,  # noqa: E402
+                         write_failure, write_shard)
 
 STREAM_TOKENS = 4000  # tokens per independent stream; streams are advanced together (vectorised)
 
@@ -73,16 +74,11 @@ def write_synthetic_shards(out_dir: str, seed: int = 0, train_tokens: int = 20_0
     text = dict(mean_doc_len=mean_doc_len, vocab=vocab)
     train = synthetic_tokens(train_tokens, seed, stream=1, **text)
     paths = [os.path.join(out_dir, "synthetic_val_000000.bin")]
-    try:
+    with removed_if_unfinished(paths):  # (a full disk, Ctrl-C: its train shards would only block a rerun)
         for i, start in enumerate(range(0, train_tokens, shard_tokens)):
             paths.append(os.path.join(out_dir, f"synthetic_train_{i + 1:06d}.bin"))
             write_shard(paths[-1], train[start:start + shard_tokens])
         write_shard(paths[0], synthetic_tokens(val_tokens, seed, stream=2, **text))  # last: marks a complete set
-    except BaseException:  # unfinished (a full disk, Ctrl-C): its train shards would only block a rerun
-        for path in paths:
-            if os.path.exists(path):
-                os.remove(path)
-        raise
     return paths
 
 
