@@ -571,21 +571,32 @@ def test_a_write_that_fails_half_way_is_a_message_and_leaves_no_partial_set(tmp_
                            "--shard-tokens", "1000"]) == 0
 
 
+def shards_then_a_bad_input(tmp_path, monkeypatch) -> tuple:
+    """(a .jsonl of 2 x CHUNK_DOCS documents, ~31K tokens, the shard paths written): given first, with
+    --shard-tokens 10000, its first chunks are encoded and written as shards before the tokenizer reads
+    the input after it (with fewer than a chunk's documents, the bad input would fail before any shard)."""
+    good = tmp_path / "a_good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n"
+                            for i in range(2 * fineweb.CHUNK_DOCS)))
+    written = []
+    monkeypatch.setattr(fineweb, "write_shard", lambda path, tokens: (written.append(path), write_shard(path, tokens)))
+    return good, written
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"text": "fine"}\n{"text": 5}\n', "docs.jsonl line 2 is not a JSON object with a 'text' field holding text"),
     ('{"text": null}\n', "docs.jsonl line 1 is not a JSON object"),
     (b'{"text": "caf\xe9"}\n', "docs.jsonl is not UTF-8 text (invalid continuation byte at byte 13)"),
 ])
-def test_an_input_that_is_not_text_is_a_message_and_leaves_no_shard(content, message, tmp_path, capsys):
-    good = tmp_path / "a_good.jsonl"  # first: its shards are written before the bad record is met
-    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
+def test_an_input_that_is_not_text_is_a_message_and_leaves_no_shard(content, message, tmp_path, capsys, monkeypatch):
+    good, written = shards_then_a_bad_input(tmp_path, monkeypatch)
     bad = tmp_path / "docs.jsonl"
     bad.write_bytes(content if isinstance(content, bytes) else content.encode())
     out = tmp_path / "out"
-    assert fineweb.main([str(good), str(bad), "--out", str(out), "--shard-tokens", "100", "--workers", "1"]) == 2
+    assert fineweb.main([str(good), str(bad), "--out", str(out), "--shard-tokens", "10000", "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert message in err and "no shard kept" in err and "Traceback" not in err
-    assert os.listdir(out) == []  # no set that looks complete, and a rerun is not refused
+    assert written and os.listdir(out) == []  # written, then removed: no set that looks complete, no refused rerun
 
 
 def test_the_tokenizer_refuses_other_file_types_and_nonsense_sizes(tmp_path, capsys):
@@ -627,16 +638,16 @@ def test_ctrl_c_while_tokenizing_is_a_line_not_tracebacks(tmp_path):
     assert "interrupted: the shards this run wrote are removed" in err and os.listdir(out) == []
 
 
-def test_an_input_that_cannot_be_read_is_named_as_such_and_leaves_no_shard(tmp_path, capsys):
-    good = tmp_path / "a_good.jsonl"
-    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
+def test_an_input_that_cannot_be_read_is_named_as_such_and_leaves_no_shard(tmp_path, capsys, monkeypatch):
+    good, written = shards_then_a_bad_input(tmp_path, monkeypatch)
     unreadable = tmp_path / "mem.txt"  # opens, then every read fails (EIO): as a disk error would
     unreadable.symlink_to("/proc/self/mem")
     out = tmp_path / "out"
-    assert fineweb.main([str(good), str(unreadable), "--out", str(out), "--shard-tokens", "100", "--workers", "1"]) == 2
+    assert fineweb.main([str(good), str(unreadable), "--out", str(out), "--shard-tokens", "10000",
+                         "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert f"cannot read {unreadable} (Input/output error); no shard kept" in err and "cannot write" not in err
-    assert os.listdir(out) == []
+    assert written and os.listdir(out) == []
 
 
 def test_empty_files_are_no_documents_and_a_val_only_result_says_so(tmp_path, monkeypatch, capsys):
