@@ -2531,12 +2531,12 @@ def train_docs(hp: Hyperparameters, files: list):
         found = rank_docs(bos_n, cumlen_n1, first, T)
         if found is None:
             shard += 1
-            if shard == len(files) and not documents:  # batches are whole documents from a --bos-id on
-                raise DataError(
-                    f"the {len(files)} files matching --train-files {os.path.abspath(hp.train_files)!r} hold no "
-                    f"--bos-id {hp.bos_id} token, which starts each document: shards of another tokenizer (give "
-                    f"its --bos-id and --vocab-size), or not token shards")
             if shard == len(files):
+                if not documents:  # batches are whole documents from a --bos-id on
+                    raise DataError(
+                        f"the {len(files)} files matching --train-files {os.path.abspath(hp.train_files)!r} hold "
+                        f"no --bos-id {hp.bos_id} token, which starts each document: shards of another tokenizer "
+                        f"(give its --bos-id and --vocab-size), or not token shards")
                 raise DataError(
                     f"the train shards ran out at step {step}: the {len(files)} files matching --train-files "
                     f"{os.path.abspath(hp.train_files)!r} hold {step} of the run's {hp.total_steps} steps; add shards "
