@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, plot_path_problem,  # noqa: E402
+from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, parse_log, plot_refused,  # noqa: E402
                           require_complete, say, synthetic_shards)
 from records.stats import TARGET, loss_target  # noqa: E402
 
@@ -276,13 +276,8 @@ def main(argv=None) -> int:
         if not os.path.exists(path) and any(c in path for c in "*?["):
             parser.error(f"{path} is a pattern: compare.py takes two log files, A and B (records/stats.py takes "
                          f"groups of logs, folders and patterns)")
-    if args.plot:  # before any work, as a missing matplotlib
-        try:
-            if problem := plot_path_problem(args.plot):
-                parser.error(problem)
-        except ImportError as e:
-            print(f"error: --plot needs matplotlib, an optional extra ({e}): pip install matplotlib", file=sys.stderr)
-            return 2
+    if args.plot and plot_refused(parser, args.plot, ("matplotlib",)):  # before any work
+        return 2
     try:
         a, b = parse_log(args.a), parse_log(args.b)
         if not args.allow_incomplete:

@@ -274,6 +274,21 @@ def plot_path_problem(path: str) -> str:
     return ""
 
 
+def plot_refused(parser, path: str, extras: tuple) -> bool:
+    """--plot's check before any work: parser.error where the path cannot be written; True, said on
+    stderr, where `extras` (the optional packages the plot needs) are not installed."""
+    try:
+        problem = plot_path_problem(path)
+    except ImportError as e:
+        kind = "optional extras" if len(extras) > 1 else "an optional extra"
+        print(f"error: --plot needs {' and '.join(extras)}, {kind} ({e}): pip install {' '.join(extras)}",
+              file=sys.stderr)
+        return True
+    if problem:
+        parser.error(problem)
+    return False
+
+
 # ---- the reader
 
 def _looks_like_a_script(lines: list) -> bool:

@@ -27,7 +27,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, expand, parse_log, plot_path_problem,  # noqa: E402
+from records.logs import (LAYOUT_NAMES, OURS, PYTORCH, LogError, expand, parse_log, plot_refused,  # noqa: E402
                           require_complete, say, synthetic_shards)
 
 TARGET, ALPHA = 3.28, 0.01  # the speedrun's rule: mean final val loss below 3.28 at p < 0.01
@@ -401,14 +401,8 @@ def main(argv=None) -> int:
                         "test by seed")
     parser.add_argument("--plot", metavar="OUT.png", help="draw each run's final loss and time per group")
     args = parser.parse_args(argv)
-    if args.plot:  # before any work, as a missing matplotlib
-        try:
-            if problem := plot_path_problem(args.plot):
-                parser.error(problem)
-        except ImportError as e:
-            print(f"error: --plot needs matplotlib and scipy, optional extras ({e}): pip install matplotlib scipy",
-                  file=sys.stderr)
-            return 2
+    if args.plot and plot_refused(parser, args.plot, ("matplotlib", "scipy")):  # before any work
+        return 2
     try:
         runs, notes, failed = load_runs(expand(args.logs, "LOG"), args.skip_incomplete)
         against, against_notes, _ = (load_runs(expand(args.against, "--against"), args.skip_incomplete)

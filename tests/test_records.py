@@ -719,7 +719,7 @@ def test_a_pytorch_run_whose_final_val_loss_is_nan_is_a_failed_run(tmp_path, cap
 
 
 @pytest.mark.parametrize("tool", ["stats", "compare"])
-def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(tool, tmp_path, capsys):
+def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(tool, tmp_path, capsys, monkeypatch):
     log = stats_logs(tmp_path, [3.27, 3.28])
     run = {"stats": lambda extra: stats.main(log + extra), "compare": lambda extra: compare.main(log + extra)}[tool]
     for path, message in ((tmp_path / "missing" / "x.png", f"--plot {tmp_path / 'missing' / 'x.png'}: "
@@ -734,6 +734,10 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_any_work(tool, tmp
         assert e.value.code == 2 and message in capsys.readouterr().err
         assert not path.exists() or path.is_dir()
     assert run(["--plot", str(tmp_path / "x.svg")]) == 0 and (tmp_path / "x.svg").read_bytes()[:5] in (b"<?xml", b"<svg ")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: said before any work, exit 2
+    assert run(["--plot", str(tmp_path / "y.png")]) == 2 and not (tmp_path / "y.png").exists()
+    extras = {"stats": "matplotlib and scipy, optional extras", "compare": "matplotlib, an optional extra"}[tool]
+    assert f"error: --plot needs {extras} (" in capsys.readouterr().err
 
 
 def test_a_reader_that_leaves_the_pipe_early_is_no_error(tmp_path):
