@@ -747,10 +747,11 @@ def test_a_reader_that_leaves_the_pipe_early_is_no_error(tmp_path):
     b = write_log(tmp_path / "b.txt", hp_with(40, muon_lr=0.05), random_curve(rng), 100.0)
     for i in range(3):
         write_log(tmp_path / f"c{i}.txt", HP, random_curve(rng), 100.0)
-    with open(tmp_path / "b.txt") as f:
+    with open(b) as f:
         text = f.read()
-    (tmp_path / "b.txt").write_text(text.replace("def ", "def  ", 400))  # a diff of hundreds of lines
-    for tool, args in (("compare.py", [a, str(tmp_path / "b.txt")]), ("logs.py", [str(tmp_path)] * 400)):
+    with open(b, "w") as f:
+        f.write(text.replace("def ", "def  ", 400))  # a diff of hundreds of lines
+    for tool, args in (("compare.py", [a, b]), ("logs.py", [str(tmp_path)] * 400)):
         cmd = " ".join([shlex.quote(sys.executable), f"records/{tool}", *map(shlex.quote, args)]) + " | head -n 1"
         r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0 and r.stderr == "" and r.stdout.count("\n") == 1, (tool, r.returncode, r.stderr[-500:])
