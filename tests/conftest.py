@@ -1,7 +1,7 @@
 """Shared test setup: the repo root on sys.path, no network for huggingface_hub, and the tiny run.
 
 How the suite keeps its cost down (its budget, pytest <= 5 minutes on 2 cores, is met on this
-machine's faster hours only: README, Tests): compiling dominates, so every whole run of train_gpt.py
+machine's faster hours only: tests/README.md, "The suite's time"): compiling dominates, so every whole run of train_gpt.py
 uses TINY_FLAGS (tiny_args) or the same settings in-process (tiny_hp), and every process of a test
 run shares one persistent compile cache: an equal program compiles once. Add flags to a run only
 where they are its point (each new --num-iterations, learning rate or device count is a new
