@@ -29,7 +29,9 @@ from data.shards import OutputError, ShardError, output_folder, read_header, wri
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 TRAIN_SHARDS = 103  # fineweb_train_000001.bin .. fineweb_train_000103.bin in REPO_ID
-SHARD_TOKENS = 100_000_000  # each of REPO_ID's shards (the last train shard may hold fewer)
+# Each of REPO_ID's shards, the val shard too: the PyTorch speedrun's data/fineweb.py wrote them at its
+# default --shard_size 10**8, a shard only once full, the first one as val (the last train shard may hold fewer).
+SHARD_TOKENS = 100_000_000
 DEFAULT_OUT = os.path.join("data", "fineweb10B")  # relative to the current folder, like every path given
 
 
