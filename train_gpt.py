@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -3333,6 +3334,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             console_print(text)
 
     previous, log, batches, trained, stop = {}, None, None, False, StopRequests()
+    checked, leaving = False, None  # the input checks passed in every process; the error to leave with at once
 
     def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
         """Before training, stop at once; once the data thread runs, between steps (run_steps asks
@@ -3357,6 +3359,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         console("checking shards and flags ...")
         inputs, weights = checked_everywhere(lambda: (check_inputs(hp, mesh, init_path, save_path),
                                                       load_weights(init_path, hp) if init_path else None))
+        checked = True
         by_chunk, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
         state = initial_state(hp, mesh, weights)
         del weights  # the host copy (2.6 GB for the record): the devices hold theirs
@@ -3420,6 +3423,8 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         interrupted = interruption(e)
         if interrupted is None:  # a bug or a device error: the log says so, the traceback goes on
             say(stopped_line(e))
+            if checked and jax.process_count() > 1:  # maybe in this process alone: the others wait for it
+                leaving = e
             raise
         if batches is None:  # the handler raised at once
             stop.stopped_before_training(str(interrupted))
@@ -3440,6 +3445,8 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             for s, handler in previous.items():
                 signal.signal(s, handler)
             sys.unraisablehook = unraisable_before
+            if leaving is not None:
+                leave_at_once(leaving)
     return summary
 
 
@@ -3509,6 +3516,24 @@ def checked_everywhere(check):
     if error is not None:
         raise error
     return result
+
+
+def leave_at_once(e: Exception) -> None:
+    """Ends a process of a multi-process run whose training failed after the input checks (a bug, a device
+    error, a shard gone: maybe in this process alone) with main's message for e and exit code, without JAX's
+    shutdown: its barrier would hold this process for 5 minutes while the others wait in a collective for it
+    (two processes on CPU: both ended after 301 s). Gone, it fails their collective where the transport
+    notices a closed peer (gloo), and the coordination service, missing it, stops them within
+    --heartbeat-timeout seconds where none does."""
+    if isinstance(e, (ConfigError, DataError)):
+        print(f"error: {e}", file=sys.stderr)
+    else:
+        traceback.print_exception(e)
+    print(f"process {jax.process_index()} stops at once; the others stop when the coordination service misses it "
+          f"(--heartbeat-timeout)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2 if isinstance(e, (ConfigError, DataError)) else 1)
 
 
 def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:

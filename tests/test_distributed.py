@@ -45,10 +45,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def launch(tiny_args, records, devices, process_id=None, num_processes=None, port=None, share_compile=False,
-           **overrides):
+           code=None, **overrides):
     """train_gpt.py with the tiny flags on `devices` CPU devices; with process_id, one of
     num_processes processes of a jax.distributed run; with share_compile, its processes compile once
-    (SHARED_COMPILE; needs the persistent cache on)."""
+    (SHARED_COMPILE; needs the persistent cache on); with code, `python -c code` and the flags instead."""
     args = tiny_args(records, **overrides)
     if process_id is not None:
         args += ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
@@ -57,7 +57,8 @@ def launch(tiny_args, records, devices, process_id=None, num_processes=None, por
     if share_compile:
         env.update(JAX_SHARE_BINARY_BETWEEN_HOSTS="true", JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS="120000")
         python.extend(["-c", SHARED_COMPILE])
-    return subprocess.Popen([*python, os.path.join(ROOT, "train_gpt.py"), *args], cwd=ROOT, env=env,
+    script = ["-c", code] if code else [os.path.join(ROOT, "train_gpt.py")]
+    return subprocess.Popen([*python, *script, *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -261,6 +262,48 @@ def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_p
     finally:
         for p in procs:
             p.kill()
+
+
+# train_gpt.py with one failure after the input checks, in this process alone: placing the weights on its
+# devices raises (as a device's out-of-memory error would), or its data reading does (as a shard deleted
+# under a running job would); `kind` is defined before it.
+FAILS_AFTER_ITS_CHECKS = """
+import sys
+import train_gpt as tg
+error = tg.DataError("a train shard went missing") if kind == "data" else RuntimeError("the devices are full")
+def failing(*args, **kwargs):
+    raise error
+tg.initial_state = failing
+sys.exit(tg.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["bug", "data"])
+def test_a_process_failing_after_the_checks_leaves_at_once_and_the_others_follow(tiny_args, tmp_path, kind):
+    """Process 1 fails once every process has passed its input checks: it prints main's message (a
+    traceback, or a data error's line) and exits with main's code at once, without JAX's shutdown barrier;
+    process 0, waiting for it in a collective, stops too (here gloo's collective fails when the peer's
+    connection closes, within 3 s; a collective that does not notice, the coordination service ends within
+    --heartbeat-timeout). Before, process 1 sat in the shutdown barrier for 5 minutes, its connection open,
+    and process 0 in the collective: the test's 60 s ran out (measured)."""
+    port, flags = free_port(), {"--heartbeat-timeout": 10}
+    procs = [launch(tiny_args, tmp_path / "r", 4, 0, 2, port, **flags),
+             launch(tiny_args, tmp_path / "r", 4, 1, 2, port, code=f"kind = {kind!r}" + FAILS_AFTER_ITS_CHECKS,
+                    **flags)]
+    try:
+        start = time.time()
+        out1, err1 = procs[1].communicate(timeout=60)
+        left_after = time.time() - start
+        procs[0].communicate(timeout=60)
+        followed_after = time.time() - start
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == (2 if kind == "data" else 1), err1[-3000:]
+    message = "error: a train shard went missing" if kind == "data" else "RuntimeError: the devices are full"
+    assert message in err1 and "process 1 stops at once" in err1, err1[-3000:]
+    assert procs[0].returncode != 0
+    print(f"process 1 left after {left_after:.1f}s, process 0 after {followed_after:.1f}s")
 
 
 def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place(tiny_hp, monkeypatch):
