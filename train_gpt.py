@@ -3334,7 +3334,7 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             console_print(text)
 
     previous, log, batches, trained, stop = {}, None, None, False, StopRequests()
-    checked, leaving = False, None  # the input checks passed in every process; the error to leave with at once
+    checked, leaving = False, None  # the input checks passed in every process; an error to leave with at once
 
     def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
         """Before training, stop at once; once the data thread runs, between steps (run_steps asks
@@ -3423,8 +3423,8 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         interrupted = interruption(e)
         if interrupted is None:  # a bug or a device error: the log says so, the traceback goes on
             say(stopped_line(e))
-            if checked and jax.process_count() > 1:  # maybe in this process alone: the others wait for it
-                leaving = e
+            if checked and not trained and jax.process_count() > 1:  # maybe in this process alone, while
+                leaving = e  # the others wait for it in a step's collective (once trained, none is left)
             raise
         if batches is None:  # the handler raised at once
             stop.stopped_before_training(str(interrupted))
@@ -3519,8 +3519,9 @@ def checked_everywhere(check):
 
 
 def leave_at_once(e: Exception) -> None:
-    """Ends a process of a multi-process run whose training failed after the input checks (a bug, a device
-    error, a shard gone: maybe in this process alone) with main's message for e and exit code, without JAX's
+    """Ends a process of a multi-process run whose training failed between the input checks and the last step
+    (a bug, a device error, a shard gone: maybe in this process alone) with main's message for e and exit
+    code, without JAX's
     shutdown: its barrier would hold this process for 5 minutes while the others wait in a collective for it
     (two processes on CPU: both ended after 301 s). Gone, it fails their collective where the transport
     notices a closed peer (gloo), and the coordination service, missing it, stops them within
