@@ -3521,17 +3521,16 @@ def checked_everywhere(check):
 def leave_at_once(e: Exception) -> None:
     """Ends a process of a multi-process run whose training failed between the input checks and the last step
     (a bug, a device error, a shard gone: maybe in this process alone) with main's message for e and exit
-    code, without JAX's
-    shutdown: its barrier would hold this process for 5 minutes while the others wait in a collective for it
-    (two processes on CPU: both ended after 301 s). Gone, it fails their collective where the transport
-    notices a closed peer (gloo), and the coordination service, missing it, stops them within
+    code, without JAX's shutdown: its barrier would hold this process for 5 minutes while the others wait in
+    a collective for it (two processes on CPU: both ended after 301 s). Gone, it fails their collective where
+    the transport notices a closed peer (gloo), and the coordination service, missing it, stops them within
     --heartbeat-timeout seconds where none does."""
     if isinstance(e, (ConfigError, DataError)):
         print(f"error: {e}", file=sys.stderr)
     else:
         traceback.print_exception(e)
-    print(f"process {jax.process_index()} stops at once; the others stop when the coordination service misses it "
-          f"(--heartbeat-timeout)", file=sys.stderr)
+    print(f"process {jax.process_index()} stops at once; the others stop when their collective fails or the "
+          f"coordination service misses it (--heartbeat-timeout)", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(2 if isinstance(e, (ConfigError, DataError)) else 1)
