@@ -3334,7 +3334,9 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             console_print(text)
 
     previous, log, batches, trained, stop = {}, None, None, False, StopRequests()
-    checked, leaving = False, None  # the input checks passed in every process; an error to leave with at once
+    # may an error leave at once (leave_at_once): from the input checks' end to the last step, but not while
+    # compiling, whose other threads may be writing the persistent cache (os._exit would cut an entry short)
+    may_leave, leaving = False, None
 
     def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
         """Before training, stop at once; once the data thread runs, between steps (run_steps asks
@@ -3359,14 +3361,16 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         console("checking shards and flags ...")
         inputs, weights = checked_everywhere(lambda: (check_inputs(hp, mesh, init_path, save_path),
                                                       load_weights(init_path, hp) if init_path else None))
-        checked = True
+        may_leave = jax.process_count() > 1
         by_chunk, replicated = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P())
         state = initial_state(hp, mesh, weights)
         del weights  # the host copy (2.6 GB for the record): the devices hold theirs
         prefix_V = jax.device_put(prefix_table(hp.padded_vocab), replicated)
         console(f"compiling the train and validation steps (persistent cache: {hp.compile_cache_dir or 'off'}) ...")
         t0 = time.perf_counter()
+        may_leave = False
         programs, val_step, loaded = compile_steps(hp, mesh, *state, prefix_V)
+        may_leave = jax.process_count() > 1
         compile_s = time.perf_counter() - t0
         if stop.signals:  # the handler's exception, raised in a callback whose caller only printed it (a gc
             raise Interrupted(stop.signals[0])  # callback of jax's, "Exception ignored in": 2 loaded cores)
@@ -3422,9 +3426,9 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
     except (Interrupted, Exception) as e:
         interrupted = interruption(e)
         if interrupted is None:  # a bug or a device error: the log says so, the traceback goes on
+            if may_leave and not trained:  # maybe in this process alone, while the others wait for it in a
+                leaving = e  # collective (once trained, none is left): even if the log cannot take its line
             say(stopped_line(e))
-            if checked and not trained and jax.process_count() > 1:  # maybe in this process alone, while
-                leaving = e  # the others wait for it in a step's collective (once trained, none is left)
             raise
         if batches is None:  # the handler raised at once
             stop.stopped_before_training(str(interrupted))
@@ -3440,13 +3444,15 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
             if batches is not None:
                 batches.close()
         finally:
-            if log:
-                log.close()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            sys.unraisablehook = unraisable_before
-            if leaving is not None:
-                leave_at_once(leaving)
+            try:
+                if log:
+                    log.close()
+            finally:
+                if leaving is not None:  # with the signals still ignored: nothing may hold it up short of its exit
+                    leave_at_once(leaving)
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+                sys.unraisablehook = unraisable_before
     return summary
 
 
@@ -3522,18 +3528,23 @@ def leave_at_once(e: Exception) -> None:
     """Ends a process of a multi-process run whose training failed between the input checks and the last step
     (a bug, a device error, a shard gone: maybe in this process alone) with main's message for e and exit
     code, without JAX's shutdown: its barrier would hold this process for 5 minutes while the others wait in
-    a collective for it (two processes on CPU: both ended after 301 s). Gone, it fails their collective where
-    the transport notices a closed peer (gloo), and the coordination service, missing it, stops them within
-    --heartbeat-timeout seconds where none does."""
-    if isinstance(e, (ConfigError, DataError)):
-        print(f"error: {e}", file=sys.stderr)
-    else:
-        traceback.print_exception(e)
-    print(f"process {jax.process_index()} stops at once; the others stop when their collective fails or the "
-          f"coordination service misses it (--heartbeat-timeout)", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(2 if isinstance(e, (ConfigError, DataError)) else 1)
+    a collective for it (two processes on CPU: both ended after 301 s). Gone, it is missed by the coordination
+    service, which stops the others (SIGABRT, with JAX's message) within --heartbeat-timeout seconds, at once
+    when it was process 0, which hosts the service; some collectives fail sooner (gloo's, placing the
+    weights: a peer's closed connection).
+    Not while compiling: train() keeps to the ordinary exit there."""
+    bad_input = isinstance(e, (ConfigError, DataError))
+    try:  # (a closed stderr must not keep it from its exit)
+        if bad_input:
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            traceback.print_exception(e)
+        print(f"process {jax.process_index()} stops at once; the others stop when their collective fails or the "
+              f"coordination service misses it (--heartbeat-timeout)", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(2 if bad_input else 1)
 
 
 def assert_same_everywhere(hp: Hyperparameters, preset: str) -> None:

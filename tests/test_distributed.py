@@ -265,8 +265,8 @@ def test_a_dead_process_makes_the_other_exit_instead_of_hanging(tiny_args, tmp_p
 
 
 # train_gpt.py with one failure after the input checks, in this process alone: placing the weights on its
-# devices raises (as a device's out-of-memory error would), or its data reading does (as a shard deleted
-# under a running job would); `kind` is defined before it.
+# devices raises a RuntimeError (as a device's out-of-memory error would) or a DataError (as reading a shard
+# gone under a running job would); `kind` is defined before it.
 FAILS_AFTER_ITS_CHECKS = """
 import sys
 import train_gpt as tg
@@ -282,10 +282,11 @@ sys.exit(tg.main(sys.argv[1:]))
 def test_a_process_failing_after_the_checks_leaves_at_once_and_the_others_follow(tiny_args, tmp_path, kind):
     """Process 1 fails once every process has passed its input checks: it prints main's message (a
     traceback, or a data error's line) and exits with main's code at once, without JAX's shutdown barrier;
-    process 0, waiting for it in a collective, stops too (here gloo's collective fails when the peer's
-    connection closes, within 3 s; a collective that does not notice, the coordination service ends within
-    --heartbeat-timeout). Before, process 1 sat in the shutdown barrier for 5 minutes, its connection open,
-    and process 0 in the collective: the test's 60 s ran out (measured)."""
+    process 0, waiting for it in a collective, stops too (here the collective placing the weights, gloo's,
+    fails when the peer's connection closes, within 3 s; a step's collective does not notice, and the
+    coordination service ends the process within --heartbeat-timeout: a reviewer measured 6 s at 10 s, 22 s
+    at 30). Before, process 1 sat in the shutdown barrier for 5 minutes, its connection open, and process 0
+    in the collective: the test's 60 s ran out (measured)."""
     port, flags = free_port(), {"--heartbeat-timeout": 10}
     procs = [launch(tiny_args, tmp_path / "r", 4, 0, 2, port, **flags),
              launch(tiny_args, tmp_path / "r", 4, 1, 2, port, code=f"kind = {kind!r}" + FAILS_AFTER_ITS_CHECKS,
