@@ -293,7 +293,7 @@ def test_a_process_failing_after_the_checks_leaves_at_once_and_the_others_follow
                     **flags)]
     try:
         start = time.time()
-        out1, err1 = procs[1].communicate(timeout=60)
+        _, err1 = procs[1].communicate(timeout=60)
         left_after = time.time() - start
         procs[0].communicate(timeout=60)
         followed_after = time.time() - start
