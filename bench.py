@@ -345,14 +345,15 @@ def optimizer_rows(table, hp, mesh, params, rng, repeats):
                    "splits it among several)")
 
 
-def gemm_kernels_named(hp) -> str:
-    """" mlp pallas head pallas", either, or "": which of hp's FP8 parts run Pallas kernels, for a row's name."""
-    return "".join(f" {part} pallas" for part, impl in (("mlp", hp.mlp), ("head", hp.head)) if impl == "pallas")
+def kernels_named(hp) -> str:
+    """" dc pallas mlp pallas head pallas", some of it, or "": which of hp's DC correction and FP8 parts run
+    Pallas kernels, for a row's name (the attention's implementation is named on its own)."""
+    return "".join(f" {part} pallas" for part in ("dc", "mlp", "head") if getattr(hp, part) == "pallas")
 
 
 def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
     """The model's loss and gradients for one chunk at each stage shape (training, FP8), its windows
-    and schedule values, with hp's attention, MLP and head implementations; one compile per shape."""
+    and schedule values, with hp's attention, DC, MLP and head implementations; one compile per shape."""
     attention = hp.attention
     trainable = tg.trainable(params, hp)
     buffers = {k: v for k, v in params.items() if k not in trainable}
@@ -370,13 +371,13 @@ def model_rows(table, hp, params, inputs_RxT, targets_RxT, repeats):
             a = tg.with_max_diagonals(a, bounds)
             return jax.value_and_grad(lambda p: tg.sequence_loss(
                 {**buffers, **p}, inputs, targets, a, True, scales, tg.prefix_targets(prefix_V, targets),
-                attention, hp.mlp, hp.head)[0])(p)
+                attention, hp.mlp, hp.head, dc_impl=hp.dc)[0])(p)
 
         compiled, compile_s = compile_timed(jax.jit(loss_and_grads, compiler_options=tg.COMPILER_OPTIONS), trainable,
                                             inputs, targets, a)
         sec = seconds_per_call(compiled, (trainable, inputs, targets, a), repeats)
         docs = documents(inputs_RxT[:1, :T], hp.bos_id)
-        name = f"model fwd+bwd {attention}{gemm_kernels_named(hp)} stage {tg.stage_of(first, hp)[0]} T={T}"
+        name = f"model fwd+bwd {attention}{kernels_named(hp)} stage {tg.stage_of(first, hp)[0]} T={T}"
         table.add(f"{name} W={short}/{long}", sec, tokens=T, flops=model_flops(hp, docs, short, long),
                   compiled=compiled, compile_s=compile_s)
 
@@ -804,8 +805,8 @@ def run_suite(hp, preset, args, cache):
     table, errors = Table(args.peak_tflops), []
     device = jax.devices()[0]
     result = {"device": f"{mesh.size} x {device.device_kind} ({device.platform})", "jax": jax.__version__,
-              "preset": preset, "attention": hp.attention, "mlp": hp.mlp, "head": hp.head, "model_dim": hp.model_dim,
-              "vocab": hp.padded_vocab,
+              "preset": preset, "attention": hp.attention, "dc": hp.dc, "mlp": hp.mlp, "head": hp.head,
+              "model_dim": hp.model_dim, "vocab": hp.padded_vocab,
               "stages": [dataclasses.asdict(s) for s in hp.stages], "chunks_per_device": tg.RANKS // mesh.size,
               "peak_tflops": args.peak_tflops, "attention_implementations": sorted(tg.ATTENTION), "errors": errors}
     # the real train programs first, so that the device's peak memory is theirs
@@ -839,7 +840,7 @@ def report_lines(result: dict, table: Table) -> list:
     stages = ", ".join(f"{s['batch_size']:,}" for s in result["stages"])
     out = [f"bench suite: preset {result['preset']} (d={result['model_dim']}, vocab {result['vocab']:,}), batches "
            f"[{stages}] tokens as 8 chunks ({result['chunks_per_device']} per device), attention "
-           f"{result['attention']}, mlp {result['mlp']}, head {result['head']}, {result['device']}, "
+           f"{result['attention']}, dc {result['dc']}, mlp {result['mlp']}, head {result['head']}, {result['device']}, "
            f"jax {result['jax']}"]
     if result["compile"]:
         c, m, t = result["compile"], result["memory"], result["train_step"]
@@ -1064,6 +1065,9 @@ def parse_args(argv=None):
     parser.add_argument("--attention", default="auto", choices=["auto", *sorted(tg.ATTENTION)],
                         help="attention implementation of the model, as in train_gpt.py (default auto: "
                         f"{tg.AUTO_ON_GPU['attention']} on GPUs, xla elsewhere)")
+    parser.add_argument("--dc", default="auto", choices=["auto", *sorted(tg.ADD_DC_CORRECTION)],
+                        help="layer 10's DC correction in the model, as in train_gpt.py (default auto: "
+                        f"{tg.AUTO_ON_GPU['dc']} on GPUs, xla elsewhere; the suite's DC rows time each)")
     parser.add_argument("--mlp", default="auto", choices=["auto", *tg.GEMM_IMPLEMENTATIONS],
                         help="the FP8 MLP's implementation in the model, as in train_gpt.py (default auto: "
                         f"{tg.AUTO_ON_GPU['mlp']} on GPUs, xla elsewhere; the suite's one-layer MLP rows time each)")
@@ -1168,11 +1172,12 @@ def main(argv=None) -> int:
     elif args.profile:
         tg.enable_compile_cache(args.compile_cache_dir)  # before anything compiles: JAX reads the setting once
         result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                  "attention": hp.attention, "mlp": hp.mlp, "head": hp.head, **profile_mode(hp, args)}
+                  "attention": hp.attention, "dc": hp.dc, "mlp": hp.mlp, "head": hp.head, **profile_mode(hp, args)}
         got = "loaded from the persistent compile cache" if result["loaded_from_cache"] else "compiled alone"
         lines = [f"profile: preset {preset}, stage {result['stage']}'s train program (chunks of {result['chunk']:,}, "
-                 f"{result['mtp_terms']} MTP weights, attention {hp.attention}, mlp {hp.mlp}, head {hp.head}) {got} in "
-                 f"{result['compile_s']:.1f}s, {result['device']}, jax {jax.__version__}", *profile_lines(result["profile"])]
+                 f"{result['mtp_terms']} MTP weights, attention {hp.attention}, dc {hp.dc}, mlp {hp.mlp}, "
+                 f"head {hp.head}) {got} in {result['compile_s']:.1f}s, {result['device']}, jax {jax.__version__}",
+                 *profile_lines(result["profile"])]
     else:
         table = model_mode(hp, args)
         result = {"preset": preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": table.rows}

@@ -63,12 +63,12 @@ NUM_HEADS = 6
 RANKS = 8  # the record's GPUs: every step's batch is their 8 chunks, whatever the device count
 E4M3_MAX = 448.0
 GEMM_IMPLEMENTATIONS = ("xla", "pallas")  # --mlp, --head: the FP8 GEMMs' epilogues and passes in XLA or Pallas kernels
-AUTO_FIELDS = ("attention", "mlp", "head")  # the flags whose default, auto, picks by backend (auto_implementation)
+AUTO_FIELDS = ("attention", "dc", "mlp", "head")  # flags whose default, auto, picks by backend (auto_implementation)
 # auto on GPUs: the Pallas kernels a GPU has checked and timed. The head's, rewritten, wrote outside their
 # e5m2 gradient's array on their first GPU run (2026-11-27; fixed, not yet run on a GPU:
-# _triton_offsets_of_arrays_past_2_31_elements_in_64_bits): XLA's passes until the GPU lane's head case and
-# a short run pass with them.
-AUTO_ON_GPU = {"attention": "pallas", "mlp": "pallas", "head": "xla"}
+# _triton_offsets_of_arrays_past_2_31_elements_in_64_bits), and the DC correction's (2026-11-28) have never
+# run on one: XLA's until the GPU lane's case and a short run pass with them.
+AUTO_ON_GPU = {"attention": "pallas", "dc": "xla", "mlp": "pallas", "head": "xla"}
 F32_EPS = float(np.finfo(np.float32).eps)  # torch's rms_norm eps for fp32 and bf16 inputs alike
 COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt_jax")  # --compile-cache-dir's default
 
@@ -105,10 +105,11 @@ class Hyperparameters:
     # model (layers and heads are fixed: NUM_LAYERS, NUM_HEADS)
     vocab_size: int = 50257  # token ids are below it; the head pads it to a multiple of 128 (50304)
     head_dim: int = 128  # model_dim = 6 x head_dim
-    attention: str = "xla"  # with the DC correction: "xla" (pure JAX) or "pallas" (Triton kernels; interpreted on CPU)
+    attention: str = "xla"  # the windowed attention: "xla" (pure JAX) or "pallas" (Triton kernels; interpreted on CPU)
+    dc: str = "xla"  # layer 10's DC correction: "xla" (pure JAX) or "pallas" (Triton kernels)
     mlp: str = "xla"  # the FP8 MLP's up projection and dpre: "xla" (XLA's GEMMs and passes) or "pallas" (fused epilogues)
     head: str = "xla"  # the FP8 head's softcap, normaliser and gradient after cuBLAS's GEMM: "xla" or "pallas"
-    # (the command line's default for these three, auto, picks by backend: auto_implementation)
+    # (the command line's default for these four, auto, picks by backend: auto_implementation)
     bigram_vocab_size: int = 50304 * 15 // 2  # the bigram embedding's hash buckets; the last is position 0's
     bigram_sign_rows: int = 8192  # rows of the random +-1 table the bigram embedding is multiplied by
     # schedule
@@ -149,6 +150,7 @@ class Hyperparameters:
              f"{self.num_scheduled_iterations} scheduled steps"),
             (len(self.stages) == 4, "four stages: three scheduled thirds and the extension"),
             (self.attention in ("xla", "pallas"), f"--attention {self.attention!r}: choose xla or pallas"),
+            (self.dc in ("xla", "pallas"), f"--dc {self.dc!r}: choose xla or pallas"),
             (self.mlp in GEMM_IMPLEMENTATIONS, f"--mlp {self.mlp!r}: choose xla or pallas"),
             (self.head in GEMM_IMPLEMENTATIONS, f"--head {self.head!r}: choose xla or pallas"),
             (0 <= self.bos_id < self.vocab_size,
@@ -756,11 +758,11 @@ def add_dc_correction(y_TxHxK, q_TxHxK, k_TxHxK, v_TxHxK, docs_T, w1_TxH, w2_TxH
 
 
 def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_TxHxK=None, xsa_alpha_TxH=None,
-              gate_TxH=None, dc_w=None, impl="xla"):
+              gate_TxH=None, dc_w=None, impl="xla", dc_impl="xla"):
     """One attention sublayer of the reference's CausalSelfAttention on the normed input x.
     `a` holds the runtime schedule values: windows, rotary frequencies, softmax scale, docs, positions
     (and in the XLA path's train programs the static max_diagonals: short, long); `impl` (--attention)
-    picks window_attention and dc_correction (xla) or their fused Pallas twins (pallas)."""
+    picks window_attention (xla) or its fused Pallas twin (pallas), `dc_impl` (--dc) add_dc_correction's."""
     attend = ATTENTION[impl]
     T, D = x_TxD.shape
     H, K = NUM_HEADS, D // NUM_HEADS
@@ -783,7 +785,7 @@ def attention(x_TxD, w_qkv_3DxD, w_o_DxD, lambdas, a: dict, layer: int, aux_v_Tx
         y = attend(q, k, v, a["docs"], window, a["scale"], *bound)
     if dc_w is not None:
         w1 = rms_norm(f32(dc_w[0]), eps=1e-6).astype(BF16)  # normalised over the 6 heads
-        y = ADD_DC_CORRECTION[impl](y, q, k, v, a["docs"], w1, dc_w[1], a["scale"])
+        y = ADD_DC_CORRECTION[dc_impl](y, q, k, v, a["docs"], w1, dc_w[1], a["scale"])
     if xsa_alpha_TxH is not None:  # gated XSA: remove the part of y along v, per token and head
         v32 = f32(v)
         along = jnp.sum(f32(y) * v32, -1, keepdims=True) / jnp.maximum(jnp.sum(v32 * v32, -1, keepdims=True), 1e-8)
@@ -942,7 +944,7 @@ def layer_weights(p: dict):
 
 
 def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, attention_impl: str = "xla",
-               mlp_impl: str = "xla", rows=None):
+               mlp_impl: str = "xla", rows=None, dc_impl: str = "xla"):
     """The network up to the final norm for one sequence (int32 (T,), T a multiple of 128).
     `a`: runtime schedule values (see schedule_values). mlp_scales: None (bf16 MLP) or the FP8
     down projection's (weight scales (12,), activation scales (12,)) of this micro-batch slot. rows:
@@ -1020,7 +1022,7 @@ def gpt_hidden(p: dict, inputs_T, a: dict, training: bool, mlp_scales=None, atte
                 ve_gate = 2 * jax.nn.sigmoid(f32(linear(gate_in, p["ve_gate_bank"][VE_LAYERS.index(i)])))
                 aux_v = (ve_gate[..., None] * f32(ve_i.reshape(T, H, K))).astype(BF16)
             y = attention(attn_in, *attn_w[i], sa_lambdas[i], a, i, aux_v, xsa.get(i), gates.get(i),
-                          dc_w if i == DC_LAYER else None, attention_impl)
+                          dc_w if i == DC_LAYER else None, attention_impl, dc_impl)
             if mu is not None:
                 x = (m[8] * f32(x) + m[9] * f32(y) + m[10] * f32(cache[0])).astype(BF16)
                 x = inject(x, mu[:, 11:12])
@@ -1276,12 +1278,13 @@ def fp8_mlp_scales(params: dict, step: int, hp: Hyperparameters, slot: int = 0):
 
 
 def sequence_loss(p: dict, inputs_T, targets_T, a: dict, training: bool, mlp_scales=None, prefix_T=None,
-                  attention_impl: str = "xla", mlp_impl: str = "xla", head_impl: str = "xla", rows=None):
+                  attention_impl: str = "xla", mlp_impl: str = "xla", head_impl: str = "xla", rows=None,
+                  dc_impl: str = "xla"):
     """Per-token losses of one sequence (and the sum backward starts from, and the MLP amaxes).
     Targets < 0 mark padding (loss_fn's): no loss, and left out of the FP8 amaxes. rows: gpt_hidden's."""
     a = {**a, "docs": jnp.cumsum(inputs_T == a["bos"], dtype=jnp.int32),  # a BOS opens a document
          "positions": jnp.arange(inputs_T.shape[0], dtype=F32), "valid": targets_T >= 0}
-    h, amax = gpt_hidden(p, inputs_T, a, training, mlp_scales, attention_impl, mlp_impl, rows)
+    h, amax = gpt_hidden(p, inputs_T, a, training, mlp_scales, attention_impl, mlp_impl, rows, dc_impl)
     if not training:
         losses = eval_head_loss(h, p["lm_head.weight"], targets_T)
         return jnp.sum(losses), losses, amax
@@ -1764,7 +1767,7 @@ pallas_window_attention.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 ATTENTION = {"xla": window_attention, "pallas": jax.jit(pallas_window_attention)}
 
 
-# --- the DC correction as fused Pallas kernels (--attention pallas) -------------------------------
+# --- the DC correction as fused Pallas kernels (--dc pallas) -------------------------------
 # dc_correction's result and gradients without its (T, H, 2·BLOCK) fp32 arrays of scores and probabilities
 # (tests/gpu/aot.py, the record's last stage, with autodiff's backward then: 83 GB a step, 28 ms of floors,
 # for layer 10 alone; the kernels' 9.8 GB, 3.3 ms), as the reference's DC kernels do: a program takes
@@ -1947,7 +1950,7 @@ def _pallas_dc_vjp_bwd(res, dout_TxHxK):
 
 pallas_add_dc_correction.defvjp(_pallas_dc_vjp_fwd, _pallas_dc_vjp_bwd)
 
-# --attention's DC correction (layer 10), jitted as ATTENTION's Pallas kernels
+# --dc: layer 10's DC correction, the Pallas one jitted as ATTENTION's
 ADD_DC_CORRECTION = {"xla": add_dc_correction, "pallas": jax.jit(pallas_add_dc_correction)}
 
 
@@ -2688,7 +2691,7 @@ def next_act_scales(act_12, amax_11):
 
 
 def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales, prefix_V, attention="xla",
-                max_diagonals=None, mlp="xla", head="xla"):
+                max_diagonals=None, mlp="xla", head="xla", dc="xla"):
     """This device's chunks one at a time: its gradient sums in each parameter's dtype (a rank's
     gradient, bf16 for bf16 parameters; summed in fp32 over several chunks, the token and bigram
     tables' from their rows' cotangents, rounded once), under a leading axis of one (the devices' sums
@@ -2703,7 +2706,7 @@ def device_step(params, buffers, act_Mx12, inputs_MxT, targets_MxT, a, w_scales,
 
         def loss(p, rows):
             s, losses, amax = sequence_loss({**buffers, **tables, **p}, x_T, y_T, a, True, (w_scales, act_12),
-                                            prefix_targets(prefix_V, y_T), attention, mlp, head, rows)
+                                            prefix_targets(prefix_V, y_T), attention, mlp, head, rows, dc)
             return s, (losses, amax)
 
         rest = {name: w for name, w in params.items() if name not in tables}
@@ -2782,7 +2785,7 @@ def make_train_step(hp: Hyperparameters, mesh):
     def train_step(params, buffers, opt_state, fp8, inputs_8xT, targets_8xT, a, sv, bootstrap, prefix_V):
         w_scales = down_weight_scales(params["mlp_bank"], bootstrap, fp8["next_w"])
         bounds = max_diagonals(hp, (inputs_8xT.shape[1], a["mtp"].shape[0])) if hp.attention == "xla" else None
-        step = partial(device_step, attention=hp.attention, max_diagonals=bounds, mlp=hp.mlp, head=hp.head)
+        step = partial(device_step, attention=hp.attention, max_diagonals=bounds, mlp=hp.mlp, head=hp.head, dc=hp.dc)
         g, loss, act = jax.shard_map(step, **specs)(params, buffers, fp8["act"], inputs_8xT, targets_8xT, a, w_scales,
                                                     prefix_V)
         exchange = partial(exchange_gradient, mesh, inputs_8xT.shape[0])
@@ -2848,7 +2851,8 @@ def make_val_step(hp: Hyperparameters, mesh):
     (the reference's mean over its 8 ranks of each rank's mean)."""
     def device_val(params, buffers, inputs_MxT, targets_MxT, a):
         def chunk(total, xy):
-            _, losses, _ = sequence_loss({**buffers, **params}, xy[0], xy[1], a, False, attention_impl=hp.attention)
+            _, losses, _ = sequence_loss({**buffers, **params}, xy[0], xy[1], a, False, attention_impl=hp.attention,
+                                         dc_impl=hp.dc)
             return total + jnp.mean(losses), None
 
         total, _ = jax.lax.scan(chunk, jnp.zeros((), F32), (inputs_MxT, targets_MxT))
@@ -3382,8 +3386,8 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
         say(f"preset {preset}: {hp.total_steps} steps ({hp.num_scheduled_iterations} scheduled + "
             f"{hp.num_extension_iterations} extension), stages at {[b[0] for b in stage_bounds(hp)]}, batch "
             f"{[s.batch_size for s in hp.stages]} tokens as 8 chunks, {mesh.size} device(s), "
-            f"{RANKS // mesh.size} chunk(s) per device per step, attention {hp.attention}, mlp {hp.mlp}, head {hp.head}; "
-            f"log {log.path if log else '-'}")
+            f"{RANKS // mesh.size} chunk(s) per device per step, attention {hp.attention}, dc {hp.dc}, mlp {hp.mlp}, "
+            f"head {hp.head}; log {log.path if log else '-'}")
         if init_path:
             say(f"initial weights: {os.path.abspath(init_path)}")
         plural = "s" * (len(programs) > 1)
@@ -3593,7 +3597,8 @@ def parse_args(argv=None):
     for field in FLAG_FIELDS:
         flag = "--" + field.name.replace("_", "-")
         if field.name in AUTO_FIELDS:
-            what = {"attention": "the attention and layer 10's DC correction: pure JAX, or fused Pallas kernels",
+            what = {"attention": "the windowed attention: pure JAX, or fused Pallas kernels",
+                    "dc": "layer 10's DC correction: pure JAX, or fused Pallas kernels",
                     "mlp": "the FP8 MLP's up projection and backward dpre: XLA's GEMMs and passes, or Pallas GEMM "
                            "kernels with fused epilogues",
                     "head": "the FP8 head's softcapped cross-entropy over cuBLAS's logits: XLA's passes, or Pallas "
@@ -3602,8 +3607,8 @@ def parse_args(argv=None):
                                help=f"{what}; auto (default): " + (
                                    "pallas on GPUs, xla elsewhere (Pallas interprets, slowly)"
                                    if AUTO_ON_GPU[field.name] == "pallas" else
-                                   "xla everywhere for now (the Pallas kernels' fix of an out-of-bounds write "
-                                   f"awaits a GPU run: AUTO_ON_GPU; {flag} pallas takes them)"))
+                                   "xla everywhere for now (its Pallas kernels await a GPU run that checks and times "
+                                   f"them: AUTO_ON_GPU; {flag} pallas takes them)"))
             continue
         defaults = f"(record: {getattr(PRESETS['record'], field.name)}, cpu: {getattr(PRESETS['cpu'], field.name)})"
         defaults = f"{notes[field.name]} {defaults}".replace("%", "%%") if field.name in notes else defaults
@@ -3724,7 +3729,7 @@ def backend_defaults(environ=os.environ) -> None:
 
 
 def auto_implementation(name: str) -> str:
-    """--attention, --mlp or --head auto: on GPUs AUTO_ON_GPU's, the Pallas kernels where they were measured
+    """--attention, --dc, --mlp or --head auto: on GPUs AUTO_ON_GPU's, the Pallas kernels where they were measured
     faster at every stage (one H200: attention, 2026-11-26, 297 / 570 / 847 ms a step against XLA's 384 / 894 /
     1,688; the MLP's, 2026-11-27, 286 / 555 / 819 ms against 295 / 567 / 845 with XLA's head), XLA elsewhere
     (Pallas interprets)."""

@@ -223,7 +223,7 @@ def test_kernels_lower_to_triton_for_cuda_at_the_record_shapes(T, H):
     assert "stablehlo.while" not in text  # no interpret-mode kernel slipped in
 
 
-# --- the DC correction's kernels (layer 10; --attention pallas) ---------------------------------------
+# --- the DC correction's kernels (layer 10; --dc pallas) ---------------------------------------------
 
 
 def bf16_f64(x):

@@ -483,24 +483,24 @@ def test_the_sweep_compiles_everything_then_times_round_after_round(monkeypatch,
     assert "round 3: 1.00 ms" in capsys.readouterr().err  # progress as each measurement ends
 
 
-def test_the_model_rows_run_the_presets_mlp_and_head_kernels(monkeypatch):
-    """bench.py --mlp/--head reach the model's rows: sequence_loss (a stand-in here, cheap to compile;
+def test_the_model_rows_run_the_presets_dc_mlp_and_head_kernels(monkeypatch):
+    """bench.py --dc/--mlp/--head reach the model's rows: sequence_loss (a stand-in here, cheap to compile;
     called as the real one can be) gets hp's choices, and the rows say them. (The real model's rows:
     plain `bench.py`; the suite's test leaves them out.)"""
     seen, real = [], inspect.signature(tg.sequence_loss)
 
     def stand_in(*args, **kwargs):
         bound = real.bind(*args, **kwargs).arguments
-        seen.append((bound["attention_impl"], bound["mlp_impl"], bound["head_impl"]))
+        seen.append((bound["attention_impl"], bound["dc_impl"], bound["mlp_impl"], bound["head_impl"]))
         return sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(bound["p"])), None, None
 
     monkeypatch.setattr(tg, "sequence_loss", stand_in)
-    hp = dataclasses.replace(bench.PRESETS["smoke"], mlp="pallas", head="pallas")
+    hp = dataclasses.replace(bench.PRESETS["smoke"], dc="pallas", mlp="pallas", head="pallas")
     inputs, targets = bench.sample_chunks(np.random.default_rng(0), hp, 1, hp.stages[-1].batch_size // tg.RANKS)
     table = bench.Table(989.0)
     bench.model_rows(table, hp, tg.init_params(hp, 0), inputs, targets, 1)
-    assert seen and set(seen) == {("xla", "pallas", "pallas")}
-    assert list(table.rows) and all(name.startswith("model fwd+bwd xla mlp pallas head pallas stage ")
+    assert seen and set(seen) == {("xla", "pallas", "pallas", "pallas")}
+    assert list(table.rows) and all(name.startswith("model fwd+bwd xla dc pallas mlp pallas head pallas stage ")
                                     for name in table.rows)
 
 
@@ -537,7 +537,7 @@ def test_the_profile_alone_loads_a_stages_program_and_ranks_its_ops_and_lines(ti
     result = json.loads(line)
     assert tg.program_steps(bench.PRESETS["smoke"]) == [0]  # one program serves every stage: stage 0's
     assert table.startswith("profile: preset smoke, stage 2's train program (chunks of 128, 1 MTP weights, attention "
-                            "xla, mlp xla, head xla) loaded from the persistent compile cache in ")  # smoke: TINY_FLAGS
+                            "xla, dc xla, mlp xla, head xla) loaded from the persistent compile cache in ")  # smoke: TINY_FLAGS
     assert result["loaded_from_cache"] and result["compile_s"] > 0 and (result["stage"], result["chunk"]) == (2, 128)
     profile = result["profile"]
     assert profile["steps"] == bench.PROFILE_STEPS and profile["trace"].startswith(str(tmp_path / "trace"))
@@ -565,7 +565,7 @@ def test_the_suites_first_compile_is_cold_in_a_fresh_cache_unless_it_is_given_on
     def suite(hp, preset, args, cache):
         assert os.path.isdir(caches[-1])
         result = {"preset": preset, "model_dim": hp.model_dim, "vocab": hp.padded_vocab, "chunks_per_device": 8,
-                  "stages": [dataclasses.asdict(s) for s in hp.stages], "attention": "xla", "mlp": "xla",
+                  "stages": [dataclasses.asdict(s) for s in hp.stages], "attention": "xla", "dc": "xla", "mlp": "xla",
                   "head": "xla", "device": "1 x cpu", "jax": jax.__version__, "peak_tflops": 989.0, "errors": [],
                   "profile": None, "skipped": [], "train_step": {"ms_by_stage": {"0": 5.0}, "host_loop_ms": 1.0,
                                                   "tokens_per_s_last_stage": 9.0, "estimated_run_s": 2.0,

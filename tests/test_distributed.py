@@ -318,7 +318,7 @@ def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place
     c = {n: jnp.asarray(rng.standard_normal((128, hp.model_dim)), jnp.bfloat16)
          for n in ("embed.weight", "bigram_embed.weight", "lm_head.weight")}
 
-    def stand_in(p, x_T, y_T, a, training, mlp_scales, prefix_T, attention, mlp, head, rows):
+    def stand_in(p, x_T, y_T, a, training, mlp_scales, prefix_T, attention, mlp, head, rows, dc):
         # linear in what it reads, with bf16 coefficients: its cotangents are bf16 values exactly, on either path
         read = {**rows, "lm_head.weight": p["lm_head.weight"][:, y_T].T}
         losses = sum(jnp.sum(tg.f32(read[n]) * tg.f32(c[n]), axis=1) for n in c)
@@ -326,7 +326,7 @@ def test_a_device_sums_its_chunks_gradients_and_adds_the_embedding_rows_in_place
 
     def one_chunk(p, x_T, y_T):  # the stand-in through embedding, as gpt_hidden looks the rows up itself
         rows = {n: tg.embedding(p[n], ids) for n, ids in tg.row_ids(p, x_T).items()}
-        return stand_in(p, x_T, y_T, tg.schedule_values(3, hp), *[None] * 6, rows)[0]
+        return stand_in(p, x_T, y_T, tg.schedule_values(3, hp), *[None] * 6, rows, None)[0]
 
     tokens = jnp.asarray(rng.integers(0, 40, (3, 129)), jnp.int32)  # 40 ids: each row read many times
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -19,7 +19,7 @@ tail and leaves the others running:
   mlp T                    the FP8 MLP's Pallas kernels (--mlp pallas) at T tokens of the record's
                            width against float64 on sampled rows, and the whole MLP against --mlp xla
   head T                   the FP8 head with --head pallas against --head xla at T tokens: losses, gradients
-  dc T                     layer 10's DC correction with --attention pallas against the XLA path at T
+  dc T                     layer 10's DC correction with --dc pallas against the XLA path at T
                            tokens: the output and every gradient
 
 e.g. `python tests/test_gpu.py attention xla 2560 49152 6`; the last line printed is `RESULT {json}`.
@@ -1544,7 +1544,7 @@ def test_dc_kernels_match_the_xla_path():
 
 
 def case_dc(T: int) -> dict:
-    """add_dc_correction (layer 10's DC correction added to its attention output) with --attention pallas
+    """add_dc_correction (layer 10's DC correction added to its attention output) with --dc pallas
     against the XLA path at T tokens, 6 heads of 128, documents of ~1,000 tokens: the output and the
     gradients of all six inputs, each as the norm of the difference over the XLA path's."""
     import train_gpt as tg

@@ -85,9 +85,10 @@ def test_check_answers_for_the_options_alone(tmp_path, capsys):
     assert err.splitlines()[0].endswith(" [options]  (--help lists them)") and len(err.splitlines()) == 2
 
 
-@pytest.mark.parametrize("flag, on_gpu", [("attention", "pallas"), ("mlp", "pallas"), ("head", "xla")])
+@pytest.mark.parametrize("flag, on_gpu", [("attention", "pallas"), ("dc", "xla"), ("mlp", "pallas"), ("head", "xla")])
 def test_auto_picks_by_backend_and_says_so(monkeypatch, capsys, tmp_path, flag, on_gpu):
-    """auto: AUTO_ON_GPU's on GPUs (the head's Pallas kernels wait for a GPU run of their fix), xla elsewhere."""
+    """auto: AUTO_ON_GPU's on GPUs (the head's and the DC correction's Pallas kernels wait for a GPU run),
+    xla elsewhere."""
     seen = []
     monkeypatch.setattr(tg, "train", lambda hp, *rest: seen.append(hp))
     argv = ["--preset", "cpu", "--compile-cache-dir", "", "--records-dir", str(tmp_path)]

@@ -76,19 +76,20 @@ def test_the_schedules_mtp_lengths_make_a_train_program_each_that_traces(tiny_hp
     assert hp.mlp == "xla" and "mlp_up" not in jaxpr and "mlp_dpre" not in jaxpr  # --mlp pallas: the test below
 
 
-def test_the_pallas_kernels_are_in_the_train_program(tiny_hp):
+@pytest.mark.parametrize("dc", ["pallas", "xla"])
+def test_the_pallas_kernels_are_in_the_train_program(tiny_hp, dc):
     """--mlp pallas reaches each layer's FP8 MLP in the train step: 11 up-projection kernels in the
     forward and 11 dpre kernels in the backward; --head pallas the head's two passes, once a chunk;
     --attention pallas the attention's three kernels twice (the layers share one jitted call per shape: the
-    paired layers' doubled sequence, the others') and layer 10's DC correction's three once (traced, not
-    compiled; xla: the test above)."""
+    paired layers' doubled sequence, the others'); --dc pallas layer 10's DC correction's three once, and
+    --dc xla none, whatever --attention (traced, not compiled; all xla: the test above)."""
     args = train_step_args(tiny_hp, tg.init_params(tiny_hp, 0))
-    hp = dataclasses.replace(tiny_hp, mlp="pallas", head="pallas", attention="pallas")
+    hp = dataclasses.replace(tiny_hp, mlp="pallas", head="pallas", attention="pallas", dc=dc)
     jaxpr = str(tg.make_train_step(hp, tg.make_mesh()).trace(*args).jaxpr)
     # (each kernel twice: Triton for CUDA, interpreted elsewhere; the first counted)
     for name, count in (("mlp_up", tg.NUM_LAYERS), ("mlp_dpre", tg.NUM_LAYERS), ("head_softcap", 1), ("head_grad", 1),
                         ("attention_fwd", 2), ("attention_dq", 2), ("attention_dkv", 2),
-                        ("dc_fwd", 1), ("dc_dq", 1), ("dc_dkv", 1)):
+                        *((name, int(dc == "pallas")) for name in ("dc_fwd", "dc_dq", "dc_dkv"))):
         assert len(re.findall(rf"interpret=False\s+jaxpr={name}\d*\s", jaxpr)) == count, name
 
 

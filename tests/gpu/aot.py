@@ -31,7 +31,7 @@ XLA's GEMMs are cuBLAS calls. Without a GPU this shows:
 It needs JAX's CUDA plugin, which is no dependency of the project (4.6 GB): in its own environment,
 
     python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest
-    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--programs all|last] [--devices N] [--sweep CONFIGS [--ptx-blocks]] [--head-ptx]
+    /tmp/vcuda/bin/python tests/gpu/aot.py [--attention xla,pallas] [--dc xla|pallas] [--programs all|last] [--devices N] [--sweep CONFIGS [--ptx-blocks]] [--head-ptx]
 """
 import argparse
 import atexit
@@ -68,7 +68,7 @@ import train_gpt as tg  # noqa: E402
 
 if __name__ == "__main__":
     tg.backend_defaults()  # compiled with the XLA flags a training run starts with (before JAX reads them)
-from bench import dc_forward_backward, gemm_kernels_named, parse_sweep, source_of, tuning_name  # noqa: E402
+from bench import dc_forward_backward, kernels_named, parse_sweep, source_of, tuning_name  # noqa: E402
 
 INSTALL = 'python3.12 -m venv /tmp/vcuda && /tmp/vcuda/bin/pip install -r requirements.txt "jax[cuda13]==0.11.2" pytest'
 try:  # the GPU lane's HLO readers; their module imports pytest
@@ -403,9 +403,9 @@ def traffic_lines(text: str, top: int, devices: int = 1, instructions: dict = No
 
 
 def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0, mlp: str = "xla",
-                 head: str = "xla") -> list:
-    hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, mlp=mlp, head=head, compile_cache_dir="")
-    gemm_kernels = gemm_kernels_named(hp)
+                 head: str = "xla", dc: str = "xla") -> list:
+    hp = dataclasses.replace(tg.PRESETS["record"], attention=impl, dc=dc, mlp=mlp, head=head, compile_cache_dir="")
+    named = kernels_named(hp)
     rows = []
     for name, lowered, chunk, is_train in record_programs(hp, mesh, which):
         t0, notes, before = time.perf_counter(), [], (dumped(), dumped("*thunk_sequence.txt"))
@@ -418,7 +418,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
         # donated arguments come back as outputs in the same buffers (alias): count them once
         total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                  + memory.temp_size_in_bytes)
-        lines = [f"{impl:6s} {name:26s}{gemm_kernels} compile {seconds:5.1f}s  "
+        lines = [f"{impl:6s} {name:26s}{named} compile {seconds:5.1f}s  "
                  f"arguments {memory.argument_size_in_bytes / GIB:5.2f} "
                  f"GiB, temporaries {memory.temp_size_in_bytes / GIB:5.2f} GiB, in all {total / GIB:5.2f} of "
                  f"{H100_MEMORY / GIB:.1f} GiB"]
@@ -444,7 +444,7 @@ def program_rows(mesh, impl: str, which: str, hlo_dir: str = None, top: int = 0,
         kernels = kernel_sources(text)
         lines += [f"    ptxas: {kernel} ({kernels.get(kernel, '?')}) {note}" for kernel, note in sorted(set(notes))]
         if hlo_dir:
-            with open(os.path.join(hlo_dir, f"{impl}{gemm_kernels.replace(' ', '_')}_{name.replace(' ', '_')}.hlo.txt"),
+            with open(os.path.join(hlo_dir, f"{impl}{named.replace(' ', '_')}_{name.replace(' ', '_')}.hlo.txt"),
                       "w") as f:
                 f.write(text)
         rows.append("\n".join(lines))
@@ -659,6 +659,9 @@ def head_ptx_rows(mesh, impl: str) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="xla,pallas", help="comma-separated implementations (default both)")
+    parser.add_argument("--dc", default="pallas", choices=sorted(tg.ADD_DC_CORRECTION),
+                        help="train_gpt.py's --dc (default pallas, the Pallas kernels, which train_gpt.py's auto "
+                             "leaves for XLA's until a GPU has run them: AUTO_ON_GPU)")
     parser.add_argument("--mlp", default="pallas", choices=tg.GEMM_IMPLEMENTATIONS,
                         help="train_gpt.py's --mlp (default pallas, the Pallas kernels)")
     parser.add_argument("--head", default="pallas", choices=tg.GEMM_IMPLEMENTATIONS,
@@ -695,7 +698,7 @@ def main(argv=None) -> int:
     print(f"compile-only NVIDIA H100 (sm_90) x {args.devices}, jax {jax.__version__}, record preset; compile times on "
           f"{os.cpu_count()} CPU cores, without autotuning", flush=True)
     rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(
-        mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head)]
+        mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head, args.dc)]
     rows += sweep_rows(mesh, configs, args.ptx_blocks)
     rows += head_ptx_rows(mesh, args.head) if args.head_ptx else []
     return 1 if any("PROBLEMS" in r or "fewer than" in r or "FAILS" in r for r in rows) else 0

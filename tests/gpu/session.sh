@@ -13,14 +13,14 @@
 # again) finds XLA's autotuning results and kernels there; "this call's cache" below is then DIR's,
 # empty only if DIR was.
 #
-#   HEAD=pallas OUT=$OUT/a BUDGET_S=300 tests/gpu/session.sh short-pallas profile-pallas
+#   HEAD=pallas DC=pallas OUT=$OUT/a BUDGET_S=300 tests/gpu/session.sh short-pallas profile-pallas
 #                          # call 1 (timeout_s 340): the short run with the Pallas head, whose e5m2 gradient
 #                          # was written out of bounds at 49,152-row chunks (the loss NaN at step 20, an H200,
 #                          # 2026-11-27; i64 offsets since, not yet run on a GPU): it must reach its end (val_loss
 #                          # near 1.3234, XLA's head's), and head_grad is profiled against its 19.8 ms a step;
 #                          # on an H100 the goal's measurement too (490K tokens/s; none has ended yet); the
-#                          # first run of the DC correction's Pallas kernels too (2026-11-28; a fault there: the
-#                          # lane's dc case, fault.py names dc_fwd, dc_dq or dc_dkv)
+#                          # first run of the DC correction's Pallas kernels too (2026-11-28; auto takes XLA's
+#                          # until then; a fault there: the lane's dc case, fault.py names dc_fwd, dc_dq or dc_dkv)
 #   OUT=$OUT/l BUDGET_S=260 tests/gpu/session.sh lane
 #                          # call 2 at once (status first; BUDGET_S at most budget_left_s - 40): the lane, its
 #                          # head case the one that faulted (over 175 s on an H200 on 2026-11-27, its train case
@@ -53,9 +53,9 @@
 #                   and without preallocating the GPU's memory, a line per test as it ends and a failure's
 #                   reason at once (FAILURES_AT_ONCE, tests/conftest.py), not only in the summary a limit
 #                   cuts off                                           (limit 540 s, or what is left)
-#   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas; --mlp and --head
-#                   from MLP and HEAD, default auto: on a GPU train_gpt.AUTO_ON_GPU's, so MLP=xla
-#                   HEAD=xla short-xla is the all-XLA run): the record
+#   short-IMPL      the short run of train_gpt.py with --attention IMPL (xla, pallas; --dc, --mlp and
+#                   --head from DC, MLP and HEAD, default auto: on a GPU train_gpt.AUTO_ON_GPU's, so
+#                   MLP=xla HEAD=xla short-xla is the all-XLA run): the record
 #                   preset, 27 + 3 steps (every stage shape: stages at 0, 9, 18, 27), validations at
 #                   steps 0, 10, 20 on the first 2,097,152 tokens (one validation step of the record's
 #                   val program, the smallest its batch allows; the issue's "1M") and at the end on
@@ -93,10 +93,10 @@
 # --mean-doc-len 1000 --vocab 50257: 20M train tokens and a full 10,485,762-token val shard), written
 # once per session into a fresh temporary folder. Their numbers: the summary line (step_avg,
 # tokens_per_s, compile_s) of the record logs in rec/ of the packed output, and each stage's step time
-# (records/logs.py, printed into session.txt after the run). MLP and HEAD (auto, xla, pallas) give
-# the short runs, the profiles and the bench suite --mlp and --head (default auto: on a GPU
-# train_gpt.AUTO_ON_GPU's, the Pallas MLP and XLA's head; pallas: the Pallas kernels; xla: XLA's GEMMs
-# and passes).
+# (records/logs.py, printed into session.txt after the run). DC, MLP and HEAD (auto, xla, pallas) give
+# the short runs, the profiles and the bench suite --dc, --mlp and --head (default auto: on a GPU
+# train_gpt.AUTO_ON_GPU's, XLA's DC correction, the Pallas MLP and XLA's head; pallas: the Pallas
+# kernels; xla: XLA's GEMMs and passes).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
@@ -108,7 +108,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DATA=${GPU_SESSION_DATA:-}
-MLP=${MLP:-auto} HEAD=${HEAD:-auto}  # train_gpt.py's and bench.py's --mlp, --head in the short runs, profiles, bench
+DC=${DC:-auto} MLP=${MLP:-auto} HEAD=${HEAD:-auto}  # train_gpt.py's, bench.py's --dc, --mlp, --head: short runs, profiles, bench
 # the kernels' defaults (fwd 128/8/2, dq and dkv 64/8/2) and neighbours that compile for an H100 without
 # register spills (tests/gpu/aot.py --sweep, 2026-11-25: every 4-warp configuration but fwd 32/4 spills, so
 # does dkv 128/8; tile 128 with 3-4 stages (fwd: 4) exceeds the shared memory)
@@ -128,8 +128,9 @@ NCU=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/nul
 BUDGET_S=${BUDGET_S:-540}
 PACKING_S=25  # kept back for a piece's kill (timeout -k 10) and the packing
 PIECES="lane short-xla short-pallas crash-xla crash-pallas short-record20 profile-xla profile-pallas bench sweep ncu"
-if ! [[ " auto xla pallas " == *" $MLP "* && " auto xla pallas " == *" $HEAD "* ]]; then
-    echo "tests/gpu/session.sh: MLP=$MLP HEAD=$HEAD: choose auto, xla or pallas for each (train_gpt.py --mlp, --head)" >&2
+if ! [[ " auto xla pallas " == *" $DC "* && " auto xla pallas " == *" $MLP "* && " auto xla pallas " == *" $HEAD "* ]]; then
+    echo "tests/gpu/session.sh: DC=$DC MLP=$MLP HEAD=$HEAD: choose auto, xla or pallas for each" \
+         "(train_gpt.py --dc, --mlp, --head)" >&2
     exit 2
 fi
 if ! [[ "$BUDGET_S" =~ ^[0-9]+$ ]]; then
@@ -184,7 +185,7 @@ stage_times() {  # the newest record log's end and step time by stage (records/l
 }
 
 short() {  # short IMPL CACHE_DIR: SHORT becomes the short run's command
-    SHORT=("$PY" train_gpt.py --preset record --attention "$1" --mlp "$MLP" --head "$HEAD"
+    SHORT=("$PY" train_gpt.py --preset record --attention "$1" --dc "$DC" --mlp "$MLP" --head "$HEAD"
            --train-files "$DATA/synthetic_train_*.bin" --val-files "$DATA/synthetic_val_*.bin"
            --num-scheduled-iterations 27 --num-extension-iterations 3 --val-loss-every 10
            --intermediate-val-tokens 2097152 --records-dir "$RUN/rec" --compile-cache-dir "$2")
@@ -222,11 +223,10 @@ for p in "$@"; do
             stage_times ;;
         # the tables keep the profile's top ops and lines; the raw trace (tens of MB) stays on the machine
         profile-xla|profile-pallas)
-            piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --mlp "$MLP" \
-                --head "$HEAD" \
-                --compile-cache-dir "$CACHES/${p#profile-}" --out "$RUN/$p.txt" ;;
-        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --attention pallas --mlp "$MLP" \
-            --head "$HEAD" --compile-cache-dir "$CACHES/pallas" --out "$RUN/bench.txt" ;;
+            piece "$p" 300 "$PY" bench.py --profile "$(mktemp -d)/trace" --attention "${p#profile-}" --dc "$DC" \
+                --mlp "$MLP" --head "$HEAD" --compile-cache-dir "$CACHES/${p#profile-}" --out "$RUN/$p.txt" ;;
+        bench) piece bench 540 "$PY" bench.py --suite --profile "$(mktemp -d)/trace" --attention pallas --dc "$DC" \
+            --mlp "$MLP" --head "$HEAD" --compile-cache-dir "$CACHES/pallas" --out "$RUN/bench.txt" ;;
         sweep) piece sweep 540 "$PY" bench.py --sweep "${SWEEP:-$SWEEP_DEFAULT}" --out "$RUN/sweep.txt" ;;
         ncu)  # the counters replay each kernel many times: one call each, unpreallocated memory for the replays
             piece ncu 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
