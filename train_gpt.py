@@ -3339,7 +3339,9 @@ def train(hp: Hyperparameters, preset: str, mesh, init_path: str = None, save_pa
 
     previous, log, batches, trained, stop = {}, None, None, False, StopRequests()
     # may an error leave at once (leave_at_once): from the input checks' end to the last step, but not while
-    # compiling, whose other threads may be writing the persistent cache (os._exit would cut an entry short)
+    # compiling: os._exit would cut short a persistent-cache entry another compile thread is writing, and the
+    # others, stopped by the coordination service, process 0's (the one process JAX lets write the cache; it
+    # writes an entry in place, and one cut short is read back with a warning and compiled anew in every run)
     may_leave, leaving = False, None
 
     def interrupt(signum, frame):  # runs in the main thread, between Python bytecodes
@@ -3536,7 +3538,7 @@ def leave_at_once(e: Exception) -> None:
     service, which stops the others (SIGABRT, with JAX's message) within --heartbeat-timeout seconds, at once
     when it was process 0, which hosts the service; some collectives fail sooner (gloo's, placing the
     weights: a peer's closed connection).
-    Not while compiling: train() keeps to the ordinary exit there."""
+    Not while compiling: train() keeps to the ordinary exit there (its comment says why)."""
     bad_input = isinstance(e, (ConfigError, DataError))
     try:  # (a closed stderr must not keep it from its exit)
         if bad_input:
