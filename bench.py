@@ -297,7 +297,7 @@ def attention_kernel_rows(table, hp, impl, docs_T, windows, rng, repeats):
                       (q, k, v, jnp.asarray(docs, jnp.int32)), 3, rng, repeats, windows=group, tokens=T,
                       flops=lambda w, docs=docs, heads=heads: 12 * K * heads * attention_pairs(docs, w),
                       note=lambda w, docs=docs: f"{attention_pairs(docs, w) / len(docs):.0f} keys/query")
-    # layer 10's DC correction (its own kernels with --attention pallas): its window is fixed, its inputs those
+    # layer 10's DC correction (its own kernels with --dc pallas): its window is fixed, its inputs those
     # of the attention plus the attention's output and the two head-mixing weights
     y, q, k, v = (jnp.asarray(rng.standard_normal((T, H, K)), jnp.bfloat16) for _ in range(4))
     w1, w2 = (jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16) for _ in range(2))
@@ -1067,7 +1067,8 @@ def parse_args(argv=None):
                         f"{tg.AUTO_ON_GPU['attention']} on GPUs, xla elsewhere)")
     parser.add_argument("--dc", default="auto", choices=["auto", *sorted(tg.ADD_DC_CORRECTION)],
                         help="layer 10's DC correction in the model, as in train_gpt.py (default auto: "
-                        f"{tg.AUTO_ON_GPU['dc']} on GPUs, xla elsewhere; the suite's DC rows time each)")
+                        f"{tg.AUTO_ON_GPU['dc']} on GPUs (train_gpt.AUTO_ON_GPU), xla elsewhere; the suite's DC rows "
+                        "time each)")
     parser.add_argument("--mlp", default="auto", choices=["auto", *tg.GEMM_IMPLEMENTATIONS],
                         help="the FP8 MLP's implementation in the model, as in train_gpt.py (default auto: "
                         f"{tg.AUTO_ON_GPU['mlp']} on GPUs, xla elsewhere; the suite's one-layer MLP rows time each)")

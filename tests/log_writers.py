@@ -44,7 +44,7 @@ def write_log(path, hp, val_losses, step_ms, end="complete"):
     N, every, batch = hp.total_steps, hp.val_loss_every, hp.stages[0].batch_size  # one batch size, for simplicity
     lines += [f"preset cpu: {N} steps ({N} scheduled + 0 extension), stages at {[b[0] for b in tg.stage_bounds(hp)]}, "
               f"batch {[s.batch_size for s in hp.stages]} tokens as 8 chunks, 1 device(s), 8 chunk(s) per device per "
-              f"step, attention {hp.attention}, mlp {hp.mlp}, head {hp.head}; log {path}",
+              f"step, attention {hp.attention}, dc {hp.dc}, mlp {hp.mlp}, head {hp.head}; log {path}",
               "compile: 12.3s for 3 train programs and the validation step (persistent cache: off)"]
     train_ms, val = 0.0, iter(val_losses)
     for step in range(N + 1):

@@ -659,9 +659,9 @@ def head_ptx_rows(mesh, impl: str) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="xla,pallas", help="comma-separated implementations (default both)")
-    parser.add_argument("--dc", default="pallas", choices=sorted(tg.ADD_DC_CORRECTION),
-                        help="train_gpt.py's --dc (default pallas, the Pallas kernels, which train_gpt.py's auto "
-                             "leaves for XLA's until a GPU has run them: AUTO_ON_GPU)")
+    parser.add_argument("--dc", choices=sorted(tg.ADD_DC_CORRECTION),
+                        help="train_gpt.py's --dc (default: each row's --attention, as before the DC correction had a "
+                             "flag of its own; train_gpt.py's auto takes xla until a GPU has run the kernels: AUTO_ON_GPU)")
     parser.add_argument("--mlp", default="pallas", choices=tg.GEMM_IMPLEMENTATIONS,
                         help="train_gpt.py's --mlp (default pallas, the Pallas kernels)")
     parser.add_argument("--head", default="pallas", choices=tg.GEMM_IMPLEMENTATIONS,
@@ -698,7 +698,7 @@ def main(argv=None) -> int:
     print(f"compile-only NVIDIA H100 (sm_90) x {args.devices}, jax {jax.__version__}, record preset; compile times on "
           f"{os.cpu_count()} CPU cores, without autotuning", flush=True)
     rows = [] if args.programs == "none" else [r for impl in impls for r in program_rows(
-        mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head, args.dc)]
+        mesh, impl, args.programs, args.hlo_dir, args.traffic, args.mlp, args.head, args.dc or impl)]
     rows += sweep_rows(mesh, configs, args.ptx_blocks)
     rows += head_ptx_rows(mesh, args.head) if args.head_ptx else []
     return 1 if any("PROBLEMS" in r or "fewer than" in r or "FAILS" in r for r in rows) else 0

@@ -31,11 +31,12 @@
 #                          # hardware counters, why attention runs at 11-17% of the tensor cores and mlp_up
 #                          # at half of cuBLAS's FP8 rate (the first ncu run of this code: if it fails at once,
 #                          # the call's rest goes to call 4)
-#   OUT=$OUT/x BUDGET_S=130 tests/gpu/session.sh short-pallas
-#                          # call 3 instead if call 1 did not end (an H100: 160): today's default, XLA's head
+#   DC=pallas OUT=$OUT/x BUDGET_S=130 tests/gpu/session.sh short-pallas
+#                          # call 3 instead if call 1 did not end (an H100: 160): today's default head, XLA's
 #                          # (its passes with fewer instructions since 2026-11-28), against call 1's Pallas head
-#                          # in the same session (all three calls run matmul's bf16 GEMM outputs and the head
-#                          # GEMM's bf16 logits for the first time: tests/gpu/README.md)
+#                          # in the same session, with call 1's DC kernels (the head the one difference; a fault
+#                          # here too points at the DC kernels; all three calls run matmul's bf16 GEMM outputs
+#                          # and the head GEMM's bf16 logits for the first time: tests/gpu/README.md)
 #   SWEEP=up:128x256x128/8/3,up:128x128x128/8/3,up:256x128x128/8/3,dpre:128x256x64/8/3,dpre:128x128x64/8/3,dq:64/8/2,dq:64/8/3,dkv:64/8/4,dc:16/4/1,dc:16/8/1 OUT=$OUT/s BUDGET_S=150 \
 #       tests/gpu/session.sh sweep
 #                          # call 4 if budget_left_s - 40 holds it: the MLP kernels' tiles, the reference's against
