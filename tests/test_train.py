@@ -82,15 +82,22 @@ def test_the_pallas_kernels_are_in_the_train_program(tiny_hp, dc):
     forward and 11 dpre kernels in the backward; --head pallas the head's two passes, once a chunk;
     --attention pallas the attention's three kernels twice (the layers share one jitted call per shape: the
     paired layers' doubled sequence, the others'); --dc pallas layer 10's DC correction's three once, and
-    --dc xla none, whatever --attention (traced, not compiled; all xla: the test above)."""
+    --dc xla none, whatever --attention; the validation program the forward kernels of both (traced, not
+    compiled; all xla: the test above)."""
     args = train_step_args(tiny_hp, tg.init_params(tiny_hp, 0))
     hp = dataclasses.replace(tiny_hp, mlp="pallas", head="pallas", attention="pallas", dc=dc)
-    jaxpr = str(tg.make_train_step(hp, tg.make_mesh()).trace(*args).jaxpr)
+    mesh = tg.make_mesh()
+    jaxpr = str(tg.make_train_step(hp, mesh).trace(*args).jaxpr)
     # (each kernel twice: Triton for CUDA, interpreted elsewhere; the first counted)
     for name, count in (("mlp_up", tg.NUM_LAYERS), ("mlp_dpre", tg.NUM_LAYERS), ("head_softcap", 1), ("head_grad", 1),
                         ("attention_fwd", 2), ("attention_dq", 2), ("attention_dkv", 2),
                         *((name, int(dc == "pallas")) for name in ("dc_fwd", "dc_dq", "dc_dkv"))):
         assert len(re.findall(rf"interpret=False\s+jaxpr={name}\d*\s", jaxpr)) == count, name
+    val_batch = tg.jax.ShapeDtypeStruct((tg.RANKS, hp.val_batch_size // tg.RANKS), tg.jnp.int32)
+    a = {k: v for k, v in tg.schedule_values(0, hp).items() if k in tg.VAL_KEYS}
+    val_jaxpr = str(tg.make_val_step(hp, mesh).trace(args[0], args[1], val_batch, val_batch, a).jaxpr)
+    for name, count in (("attention_fwd", 2), ("dc_fwd", int(dc == "pallas")), ("attention_dq", 0), ("dc_dq", 0)):
+        assert len(re.findall(rf"interpret=False\s+jaxpr={name}\d*\s", val_jaxpr)) == count, name
 
 
 def test_compile_steps_compiles_every_program_at_once_and_keeps_each_by_its_shape(monkeypatch):
