@@ -88,16 +88,19 @@ def test_the_pallas_kernels_are_in_the_train_program(tiny_hp, dc):
     hp = dataclasses.replace(tiny_hp, mlp="pallas", head="pallas", attention="pallas", dc=dc)
     mesh = tg.make_mesh()
     jaxpr = str(tg.make_train_step(hp, mesh).trace(*args).jaxpr)
-    # (each kernel twice: Triton for CUDA, interpreted elsewhere; the first counted)
+
+    def calls(jaxpr, name):  # each kernel is in the text twice: Triton for CUDA, interpreted elsewhere; the first
+        return len(re.findall(rf"interpret=False\s+jaxpr={name}\d*\s", jaxpr))
+
     for name, count in (("mlp_up", tg.NUM_LAYERS), ("mlp_dpre", tg.NUM_LAYERS), ("head_softcap", 1), ("head_grad", 1),
                         ("attention_fwd", 2), ("attention_dq", 2), ("attention_dkv", 2),
                         *((name, int(dc == "pallas")) for name in ("dc_fwd", "dc_dq", "dc_dkv"))):
-        assert len(re.findall(rf"interpret=False\s+jaxpr={name}\d*\s", jaxpr)) == count, name
+        assert calls(jaxpr, name) == count, name
     val_batch = tg.jax.ShapeDtypeStruct((tg.RANKS, hp.val_batch_size // tg.RANKS), tg.jnp.int32)
     a = {k: v for k, v in tg.schedule_values(0, hp).items() if k in tg.VAL_KEYS}
     val_jaxpr = str(tg.make_val_step(hp, mesh).trace(args[0], args[1], val_batch, val_batch, a).jaxpr)
     for name, count in (("attention_fwd", 2), ("dc_fwd", int(dc == "pallas")), ("attention_dq", 0), ("dc_dq", 0)):
-        assert len(re.findall(rf"interpret=False\s+jaxpr={name}\d*\s", val_jaxpr)) == count, name
+        assert calls(val_jaxpr, name) == count, name
 
 
 def test_compile_steps_compiles_every_program_at_once_and_keeps_each_by_its_shape(monkeypatch):
